@@ -1,0 +1,155 @@
+"""lmkv's one configuration object.
+
+A configuration is built from, in increasing precedence:
+
+1. the defaults below (they work without tuning),
+2. a YAML file (``config_file`` in the dict, or ``LMKV_CONFIG``),
+3. ``LMKV_*`` environment variables, nested with ``__``
+   (``LMKV_MEMORY__CAPACITY=8GiB``, ``LMKV_DISK__PATH=/nvme/lmkv``),
+4. a dict, e.g. vLLM's ``kv_connector_extra_config``.
+
+Every bad value raises :class:`ConfigError` naming the field, the value given
+and what is accepted, so a typo in an engine's extra config fails at start-up
+rather than silently falling back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "LMKV_"
+ENV_NESTING = "__"
+
+
+class ConfigError(ValueError):
+    """A configuration value was rejected; the message names field, value and what is accepted."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class MemoryConfig(_Section):
+    """Host-memory tier: one preallocated arena (pinned when CUDA is present)."""
+
+    capacity: ByteSize = Field(ByteSize(2 << 30), description="arena size, e.g. 8GiB")
+    policy: Literal["lru", "s3fifo"] = Field("s3fifo", description="eviction policy")
+    slab_size: ByteSize = Field(
+        ByteSize(64 << 20), description="arena slab; every page must fit in one slab"
+    )
+    verify_checksums: bool = Field(
+        False, description="verify page checksums on in-process reads (they never cross a boundary)"
+    )
+    pin: Literal["auto", "always", "never"] = Field(
+        "auto", description="page-lock the arena: auto = when CUDA is available"
+    )
+    prefault: bool = Field(False, description="touch the whole arena at start-up")
+
+
+class DiskConfig(_Section):
+    """Local disk tier (POSIX or O_DIRECT; GDS where present)."""
+
+    path: str | None = Field(None, description="directory; unset disables the disk tier")
+    capacity: ByteSize = Field(ByteSize(32 << 30), description="bytes on disk before eviction")
+    io: Literal["auto", "buffered", "direct"] = Field(
+        "auto", description="auto = O_DIRECT where the file system allows it"
+    )
+    fsync: bool = Field(True, description="fsync a page before it becomes visible")
+    policy: Literal["lru", "s3fifo"] = Field("lru", description="eviction policy")
+
+
+class StoreConfig(_Section):
+    """How the tiers cooperate."""
+
+    write_policy: Literal["write_through", "write_back"] = Field(
+        "write_back",
+        description="write_through: every put reaches every tier; "
+        "write_back: puts land in memory and move down on eviction",
+    )
+    promote_on_hit: bool = Field(True, description="copy a lower-tier hit into memory")
+    io_threads: int = Field(4, ge=1, le=64, description="background I/O threads")
+
+
+class LMKVConfig(_Section):
+    """Everything lmkv reads. Engine adapters add the model identity themselves."""
+
+    namespace: str = Field("default", min_length=1, max_length=256, description="tenant; part of every key")
+    domain: str = Field("engine", min_length=1, max_length=256, description="residency domain that owns what this process stores")
+    model_id: str | None = Field(None, description="model identity for keys; engines fill it in")
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    disk: DiskConfig = Field(default_factory=DiskConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+
+
+def _describe(err: Mapping[str, Any], model: type[BaseModel]) -> str:
+    loc = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        section: Any = model
+        for part in err["loc"][:-1]:
+            section = section.model_fields[str(part)].annotation
+        accepted = ", ".join(sorted(section.model_fields))
+        return f"{loc}: unknown setting (accepted here: {accepted})"
+    return f"{loc} = {err.get('input')!r}: {err['msg']}"
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``LMKV_A__B=v`` becomes ``{"a": {"b": "v"}}``; ``LMKV_CONFIG`` names a file, not a field."""
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        path = name[len(ENV_PREFIX):].lower().split(ENV_NESTING)
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: conflicts with a scalar setting of the same prefix")
+        node[path[-1]] = value
+    return out
+
+
+def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"config_file = {str(path)!r}: cannot read ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config_file = {str(path)!r}: not valid YAML ({e})") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config_file = {str(path)!r}: expected a mapping at the top level")
+    return data
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LMKVConfig:
+    """Build the configuration from file, environment and ``overrides`` (highest precedence)."""
+    environ = os.environ if environ is None else environ
+    overrides = dict(overrides or {})
+    file = overrides.pop("config_file", None) or environ.get(ENV_PREFIX + "CONFIG")
+    merged: dict[str, Any] = load_yaml(file) if file else {}
+    merged = _deep_merge(merged, env_overrides(environ))
+    merged = _deep_merge(merged, overrides)
+    try:
+        return LMKVConfig.model_validate(merged)
+    except ValidationError as e:
+        lines = [_describe(err, LMKVConfig) for err in e.errors()]
+        raise ConfigError("invalid lmkv configuration:\n  " + "\n  ".join(lines)) from None
