@@ -1,0 +1,97 @@
+"""A slab allocator for the host-memory arena.
+
+The arena is cut into equal slabs. A slab is given to one size class (page
+size rounded up to :data:`~lmkv.page.ALIGN`) when that class needs room, and
+is cut into equal slots; when its last slot is freed it goes back to the pool
+for any class. Pages of one class are interchangeable, so churn within a class
+never fragments, and a class that shrinks hands whole slabs to the others.
+Every slot offset is ALIGN-aligned, so a slot can be the target of O_DIRECT,
+cuFile or a DMA copy as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmkv.page import ALIGN, padded
+
+
+@dataclass
+class _SizeClass:
+    slot_bytes: int
+    slots_per_slab: int
+    free: dict[int, list[int]] = field(default_factory=dict)  # slab -> free slot offsets
+    used: dict[int, int] = field(default_factory=dict)  # slab -> slots in use
+
+
+class SlabAllocator:
+    """Offsets into an arena of ``capacity`` bytes; not thread-safe (the tier locks)."""
+
+    def __init__(self, capacity: int, slab_bytes: int) -> None:
+        slab_bytes = min(padded(slab_bytes), capacity - capacity % ALIGN)
+        if slab_bytes < ALIGN:
+            raise ValueError(f"arena of {capacity} bytes is smaller than one {ALIGN}-byte slot")
+        self.capacity = capacity
+        self.slab_bytes = slab_bytes
+        self.num_slabs = capacity // slab_bytes
+        self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
+        self._classes: dict[int, _SizeClass] = {}
+
+    def slot_bytes(self, nbytes: int) -> int:
+        slot = padded(max(nbytes, 1))
+        if slot > self.slab_bytes:
+            raise ValueError(
+                f"a page of {nbytes} bytes does not fit a {self.slab_bytes}-byte slab; "
+                "raise memory.slab_size"
+            )
+        return slot
+
+    def _class(self, nbytes: int) -> _SizeClass:
+        slot = self.slot_bytes(nbytes)
+        cls = self._classes.get(slot)
+        if cls is None:
+            cls = self._classes[slot] = _SizeClass(slot, self.slab_bytes // slot)
+        return cls
+
+    def alloc(self, nbytes: int) -> int | None:
+        """An ALIGN-aligned offset of a slot for ``nbytes``, or None when the arena is full for it."""
+        cls = self._class(nbytes)
+        if not cls.free:
+            if not self._free_slabs:
+                return None
+            slab = self._free_slabs.pop()
+            base = slab * self.slab_bytes
+            cls.free[slab] = [base + i * cls.slot_bytes for i in range(cls.slots_per_slab - 1, -1, -1)]
+            cls.used[slab] = 0
+        # Fill the fullest slab first so that lightly used slabs can drain and be returned.
+        slab = max(cls.free, key=lambda s: cls.used[s]) if len(cls.free) > 1 else next(iter(cls.free))
+        slots = cls.free[slab]
+        off = slots.pop()
+        if not slots:
+            del cls.free[slab]
+        cls.used[slab] += 1
+        return off
+
+    def free(self, offset: int, nbytes: int) -> None:
+        cls = self._class(nbytes)
+        slab = offset // self.slab_bytes
+        if slab not in cls.used or (offset - slab * self.slab_bytes) % cls.slot_bytes:
+            raise ValueError(f"offset {offset} was not allocated for {nbytes} bytes")
+        cls.used[slab] -= 1
+        cls.free.setdefault(slab, []).append(offset)
+        if cls.used[slab] == 0:
+            del cls.used[slab], cls.free[slab]
+            self._free_slabs.append(slab)
+
+    def can_alloc(self, nbytes: int) -> bool:
+        return bool(self._class(nbytes).free) or bool(self._free_slabs)
+
+    @property
+    def free_slabs(self) -> int:
+        return len(self._free_slabs)
+
+    def used_slots(self, nbytes: int) -> int:
+        return sum(self._class(nbytes).used.values())
+
+    def slots_per_slab(self, nbytes: int) -> int:
+        return self._class(nbytes).slots_per_slab

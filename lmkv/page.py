@@ -1,0 +1,175 @@
+"""The page format: a header, then every layer's segments contiguous.
+
+Header (little-endian)::
+
+    offset size field
+    0      4    magic  b"LMKV"
+    4      2    version
+    6      2    flags (0)
+    8      4    header_bytes      64 + 8 * num_units (unpadded)
+    12     4    num_units         layers x segments
+    16     8    layout fingerprint
+    24     8    payload length
+    32     8    checksum          xxh3_64 over key, fingerprint, length and digests
+    40     16   key
+    56     8    reserved (0)
+    64     8*n  unit digests      xxh3_64 of each (layer, segment) byte range
+
+The payload follows the header; on disk the header is padded to
+:data:`ALIGN` so the payload can be read with O_DIRECT or cuFile.
+
+Checksums are per *unit* (one layer's segment) so a layerwise load can verify
+exactly the ranges it reads, and the page checksum is a hash of those digests:
+computing it is one pass over the payload, done once when the page is made.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from lmkv.errors import ChecksumError, PageFormatError, ShortReadError
+from lmkv.keys import KEY_BYTES
+from lmkv.layout import GroupLayout
+
+MAGIC = b"LMKV"
+VERSION = 1
+ALIGN = 4096
+_FIXED = struct.Struct("<4sHHIIQQQ16sQ")
+FIXED_BYTES = _FIXED.size  # 64
+MAX_UNITS = 1 << 16  # a bound on what a reader will allocate for a header
+
+
+def padded(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True, slots=True)
+class PageHeader:
+    key: bytes
+    layout_fp: int
+    payload_len: int
+    digests: bytes  # num_units little-endian u64
+    checksum: int
+
+    @property
+    def num_units(self) -> int:
+        return len(self.digests) // 8
+
+    @property
+    def header_bytes(self) -> int:
+        return FIXED_BYTES + len(self.digests)
+
+    @property
+    def disk_header_bytes(self) -> int:
+        return padded(self.header_bytes)
+
+    def pack(self) -> bytes:
+        fixed = _FIXED.pack(
+            MAGIC, VERSION, 0, self.header_bytes, self.num_units,
+            self.layout_fp, self.payload_len, self.checksum, self.key, 0,
+        )
+        return fixed + self.digests
+
+    def unit_digest(self, unit: int) -> int:
+        return int.from_bytes(self.digests[8 * unit : 8 * unit + 8], "little")
+
+
+def _header_checksum(key: bytes, layout_fp: int, payload_len: int, digests: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(
+        key + layout_fp.to_bytes(8, "little") + payload_len.to_bytes(8, "little") + digests
+    )
+
+
+def unit_ranges(layout: GroupLayout) -> list[tuple[int, int]]:
+    """Byte ranges of every (layer, segment) unit in payload order."""
+    return [
+        layout.layer_range(layer, seg)
+        for layer in range(layout.num_layers)
+        for seg in range(len(layout.segments))
+    ]
+
+
+def _digests(layout: GroupLayout, payload: memoryview, units: Iterable[int]) -> list[int]:
+    ranges = unit_ranges(layout)
+    return [xxhash.xxh3_64_intdigest(payload[ranges[u][0] : ranges[u][1]]) for u in units]
+
+
+def as_bytes_view(buf) -> memoryview:
+    """A flat byte view of a buffer (bytes, bytearray, numpy array, memoryview)."""
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def make_header(key: bytes, layout: GroupLayout, payload) -> PageHeader:
+    """Compute the header of a page: one pass over the payload."""
+    view = as_bytes_view(payload)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a key has {KEY_BYTES} bytes, got {len(key)}")
+    if len(view) != layout.payload_bytes:
+        raise ValueError(
+            f"group {layout.name!r}: payload has {len(view)} bytes, layout says {layout.payload_bytes}"
+        )
+    n_units = layout.num_layers * len(layout.segments)
+    digests = np.array(_digests(layout, view, range(n_units)), dtype="<u8").tobytes()
+    fp = layout.fingerprint
+    return PageHeader(key, fp, len(view), digests, _header_checksum(key, fp, len(view), digests))
+
+
+def unpack_header(buf, expect_key: bytes | None = None, layout: GroupLayout | None = None) -> PageHeader:
+    """Parse and check a header; raises :class:`PageFormatError` on anything unexpected."""
+    view = as_bytes_view(buf)
+    if len(view) < FIXED_BYTES:
+        raise ShortReadError(f"page header needs {FIXED_BYTES} bytes, got {len(view)}")
+    magic, version, _flags, header_bytes, n_units, fp, plen, checksum, key, _ = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        raise PageFormatError(f"not an lmkv page (magic {bytes(magic)!r})")
+    if version != VERSION:
+        raise PageFormatError(f"page format version {version}, this lmkv reads {VERSION}")
+    if n_units > MAX_UNITS or header_bytes != FIXED_BYTES + 8 * n_units:
+        raise PageFormatError(f"inconsistent header: {header_bytes} bytes for {n_units} units")
+    if len(view) < header_bytes:
+        raise ShortReadError(f"page header needs {header_bytes} bytes, got {len(view)}")
+    digests = bytes(view[FIXED_BYTES:header_bytes])
+    if _header_checksum(key, fp, plen, digests) != checksum:
+        raise ChecksumError(f"page header checksum mismatch for key {key.hex()}")
+    if expect_key is not None and key != expect_key:
+        raise PageFormatError(f"page holds key {key.hex()}, expected {expect_key.hex()}")
+    if layout is not None:
+        if fp != layout.fingerprint:
+            raise PageFormatError(
+                f"page layout {fp:#018x} differs from group {layout.name!r} ({layout.fingerprint:#018x})"
+            )
+        if plen != layout.payload_bytes or n_units != layout.num_layers * len(layout.segments):
+            raise PageFormatError(f"page size {plen} does not match group {layout.name!r}")
+    return PageHeader(key, fp, plen, digests, checksum)
+
+
+def verify_payload(header: PageHeader, layout: GroupLayout, payload) -> None:
+    """Check every unit of a whole payload; raises :class:`ChecksumError` naming the first bad one."""
+    verify_units(header, layout, payload, range(header.num_units))
+
+
+def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterable[int]) -> None:
+    """Check selected units of a payload laid out at full-page offsets."""
+    view = as_bytes_view(payload)
+    if len(view) < header.payload_len:
+        raise ShortReadError(f"payload has {len(view)} bytes, header says {header.payload_len}")
+    units = list(units)
+    for u, got in zip(units, _digests(layout, view, units)):
+        if got != header.unit_digest(u):
+            layer, seg = divmod(u, len(layout.segments))
+            raise ChecksumError(
+                f"key {header.key.hex()}: layer {layer} segment {layout.segments[seg].name!r} "
+                f"checksum mismatch"
+            )
+
+
+def units_of_layers(layout: GroupLayout, layers: Iterable[int]) -> list[int]:
+    """Unit indices that make up the given layers (all their segments)."""
+    n = len(layout.segments)
+    return [layer * n + s for layer in layers for s in range(n)]
