@@ -173,3 +173,20 @@ def units_of_layers(layout: GroupLayout, layers: Iterable[int]) -> list[int]:
     """Unit indices that make up the given layers (all their segments)."""
     n = len(layout.segments)
     return [layer * n + s for layer in layers for s in range(n)]
+
+
+def units_in_ranges(layout: GroupLayout, ranges: Iterable[tuple[int, int]]) -> list[int]:
+    """Unit indices covered by byte ranges; a range must start and end on unit boundaries."""
+    bounds = unit_ranges(layout)
+    starts = {start: u for u, (start, _) in enumerate(bounds)}
+    out: list[int] = []
+    for start, end in ranges:
+        u = starts.get(start)
+        if u is None or not start < end <= layout.payload_bytes:
+            raise ValueError(f"range [{start}, {end}) does not start on a unit of group {layout.name!r}")
+        while u < len(bounds) and bounds[u][1] <= end:
+            out.append(u)
+            u += 1
+        if bounds[u - 1][1] != end:
+            raise ValueError(f"range [{start}, {end}) does not end on a unit of group {layout.name!r}")
+    return out

@@ -93,7 +93,10 @@ class S3FIFOPolicy(EvictionPolicy):
             self._main.pop(key, None)
 
     def _evict_from(self, fifo: OrderedDict, evictable: Callable[[Hashable], bool], small: bool) -> Hashable | None:
-        for _ in range(len(fifo)):
+        # Keys in main may need MAX_FREQ passes to age out; pinned keys go round again.
+        for _ in range(len(fifo) * (self.MAX_FREQ + 1)):
+            if not fifo:
+                return None
             key, _ = fifo.popitem(last=False)
             f = self._freq[key]
             if small and f > 1:

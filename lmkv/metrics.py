@@ -1,0 +1,85 @@
+"""Prometheus metrics: hits, misses, bytes per tier and direction, latencies.
+
+Counters live in each tier's :class:`~lmkv.tiers.base.TierStats` (plain ints on
+the hot path) and are read only when Prometheus scrapes, through a collector;
+latencies go to a histogram. Every store has its own registry, so several
+stores in one process (tests, two engines) never collide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from lmkv.tiers.base import Tier
+
+_COUNTERS = {
+    "hits": "pages found in the tier",
+    "misses": "pages looked for and not found (or failed)",
+    "evictions": "pages evicted for room",
+    "corrupt": "pages discarded because their checksum or header was wrong",
+    "errors": "I/O errors other than a full tier",
+    "full": "puts refused because the tier (or its file system) was full",
+    "puts": "pages stored",
+}
+
+
+class _TierCollector(Collector):
+    def __init__(self, tiers: Callable[[], Sequence[Tier]]) -> None:
+        self._tiers = tiers
+
+    def collect(self) -> Iterator:
+        tiers = self._tiers()
+        for field, doc in _COUNTERS.items():
+            fam = CounterMetricFamily(f"lmkv_{field}", doc, labels=["tier"])
+            for t in tiers:
+                fam.add_metric([t.name], getattr(t.stats, field))
+            yield fam
+        fam = CounterMetricFamily("lmkv_bytes", "payload bytes moved", labels=["tier", "direction"])
+        for t in tiers:
+            fam.add_metric([t.name, "put"], t.stats.put_bytes)
+            fam.add_metric([t.name, "get"], t.stats.get_bytes)
+        yield fam
+        for name, doc, attr in (
+            ("lmkv_used_bytes", "bytes resident", "used_bytes"),
+            ("lmkv_capacity_bytes", "configured capacity", "capacity_bytes"),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["tier"])
+            for t in tiers:
+                g.add_metric([t.name], getattr(t, attr))
+            yield g
+        g = GaugeMetricFamily("lmkv_pages", "pages resident", labels=["tier"])
+        for t in tiers:
+            g.add_metric([t.name], len(t))
+        yield g
+
+
+class Metrics:
+    """One store's metrics; ``registry`` can be served with prometheus_client."""
+
+    def __init__(self, tiers: Callable[[], Sequence[Tier]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_TierCollector(tiers))
+        self.latency = Histogram(
+            "lmkv_op_seconds", "latency of store operations", ["op"], registry=self.registry,
+            buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1, 5),
+        )
+
+    @contextmanager
+    def timed(self, op: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.latency.labels(op).observe(time.perf_counter() - t0)
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, labels)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,245 @@
+"""The tiered store: tiers stacked fastest first, used as one.
+
+- Lookups are prefix-ordered and batched: page ``i`` counts only if pages
+  ``0..i-1`` do, and each tier is asked once, only about the pages the tiers
+  above it lacked.
+- A hit in a lower tier is promoted into memory (``store.promote_on_hit``).
+- Write policy (``store.write_policy``): ``write_through`` puts every page in
+  every tier; ``write_back`` puts it in memory and demotes it to the next tier
+  when memory evicts it.
+- Residency domains: every put names its owner (``domain`` in the config by
+  default); :meth:`TieredStore.clear` drops one domain's residency in every tier.
+
+All methods are thread-safe; ``a*`` variants run on the store's I/O threads
+for async callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmkv.config import LMKVConfig
+from lmkv.errors import TierFullError
+from lmkv.layout import GroupLayout
+from lmkv.metrics import Metrics
+from lmkv.page import PageHeader, make_header
+from lmkv.tiers.base import Range, Tier, WriteSession
+from lmkv.tiers.disk import DiskTier
+from lmkv.tiers.memory import MemoryTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Where each page of the hit prefix lives (the tier name), fastest first."""
+
+    tiers: tuple[str, ...]
+
+    @property
+    def pages(self) -> int:
+        return len(self.tiers)
+
+
+class TieredStore:
+    def __init__(self, cfg: LMKVConfig, lower: Sequence[Tier] = ()) -> None:
+        """Memory first, then the disk tier if configured, then ``lower`` tiers (server, Redis)."""
+        self.cfg = cfg
+        self.domain = cfg.domain
+        self.memory = MemoryTier(cfg.memory, on_evict=self._demote)
+        tiers: list[Tier] = [self.memory]
+        if cfg.disk.path:
+            tiers.append(DiskTier(cfg.disk))
+        tiers.extend(lower)
+        self.tiers = tiers
+        self.metrics = Metrics(lambda: self.tiers)
+        self._pool = ThreadPoolExecutor(cfg.store.io_threads, thread_name_prefix="lmkv-io")
+
+    # -- lookup ------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> Lookup:
+        """The longest prefix of ``keys`` resident in some tier."""
+        with self.metrics.timed("lookup"):
+            where: list[str | None] = [None] * len(keys)
+            for tier in self.tiers:
+                todo = [i for i, w in enumerate(where) if w is None]
+                if not todo:
+                    break
+                for i, present in zip(todo, tier.contains([keys[i] for i in todo])):
+                    if present:
+                        where[i] = tier.name
+            n = next((i for i, w in enumerate(where) if w is None), len(keys))
+            return Lookup(tuple(where[:n]))  # type: ignore[arg-type]
+
+    # -- reads -------------------------------------------------------------
+
+    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        """Read each page from the fastest tier that has it; ``None`` where none could."""
+        with self.metrics.timed("get"):
+            results: list[PageHeader | None] = [None] * len(keys)
+            todo = list(range(len(keys)))
+            for depth, tier in enumerate(self.tiers):
+                if not todo:
+                    break
+                present = tier.contains([keys[i] for i in todo])
+                here = [i for i, p in zip(todo, present) if p]
+                if here:
+                    got = tier.get([keys[i] for i in here], layout, [outs[i] for i in here])
+                    for i, h in zip(here, got):
+                        results[i] = h
+                    if depth > 0 and self.cfg.store.promote_on_hit:
+                        self._promote([(h, outs[i]) for i, h in zip(here, got) if h is not None])
+                todo = [i for i in todo if results[i] is None]
+            return results
+
+    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+        """Read some units of one page (e.g. a layer) from the fastest tier that has it."""
+        for tier in self.tiers:
+            if tier.contains([key])[0]:
+                h = tier.read_ranges(key, layout, ranges, out)
+                if h is not None:
+                    return h
+        return None
+
+    def _promote(self, pages: list[tuple[PageHeader, object]]) -> None:
+        if pages:
+            self.memory.put(pages, self.domain)
+
+    # -- writes ------------------------------------------------------------
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        layouts: Sequence[GroupLayout],
+        payloads: Sequence,
+        domain: str | None = None,
+    ) -> list[bool]:
+        """Make pages (checksums computed once, here) and store them by the write policy."""
+        with self.metrics.timed("put"):
+            pages = [(make_header(k, lay, p), p) for k, lay, p in zip(keys, layouts, payloads)]
+            return self.put_pages(pages, domain)
+
+    def put_pages(self, pages: Sequence[tuple[PageHeader, object]], domain: str | None = None) -> list[bool]:
+        """Store pages whose headers are made (e.g. moved from another store or a server frame)."""
+        domain = domain or self.domain
+        stored = self.memory.put(pages, domain)
+        if self.cfg.store.write_policy == "write_through":
+            for tier in self.tiers[1:]:
+                lower = tier.put(pages, domain)
+                stored = [a or b for a, b in zip(stored, lower)]
+        return stored
+
+    def _demote(self, evicted: list[tuple[PageHeader, np.ndarray, list[str]]]) -> None:
+        """Memory evicted these pages: keep them in the next tier down (write-back)."""
+        if len(self.tiers) < 2:
+            return
+        nxt = self.tiers[1]
+        for header, view, owners in evicted:
+            for domain in owners or [self.domain]:
+                try:
+                    nxt.put([(header, view)], domain)
+                except Exception:  # a failing lower tier must never fail the put that evicted
+                    log.exception("demoting %s to %s failed", header.key.hex(), nxt.name)
+
+    def open_session(
+        self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str | None = None
+    ) -> StoreSession:
+        """Reserve pages in memory for one step; see :class:`StoreSession`."""
+        return StoreSession(self, keys, layouts, domain or self.domain)
+
+    # -- ownership -----------------------------------------------------------
+
+    def clear(self, domain: str | None = None) -> int:
+        """Drop ``domain``'s residency in every tier; pages other owners hold stay."""
+        domain = domain or self.domain
+        return sum(t.clear(domain) for t in self.tiers)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return sum(t.delete(keys) for t in self.tiers)
+
+    # -- async -------------------------------------------------------------
+
+    def submit(self, fn, *args) -> Future:
+        """Run a store call on the I/O threads (engine adapters overlap I/O with compute)."""
+        return self._pool.submit(fn, *args)
+
+    async def alookup(self, keys: Sequence[bytes]) -> Lookup:
+        return await asyncio.wrap_future(self.submit(self.lookup, keys))
+
+    async def aget(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        return await asyncio.wrap_future(self.submit(self.get, keys, layout, outs))
+
+    async def aput(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], payloads: Sequence) -> list[bool]:
+        return await asyncio.wrap_future(self.submit(self.put, keys, layouts, payloads))
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: counters and occupancy, for ``lmkv stats`` and the demo."""
+        out = {}
+        for t in self.tiers:
+            d = dict(vars(t.stats))
+            d.update(pages=len(t), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes)
+            out[t.name] = d
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for t in self.tiers:
+            t.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StoreSession:
+    """A step's pages, filled in memory range by range, committed atomically to the store.
+
+    Commit publishes every page in memory at once, then (write-through) copies them
+    down. An aborted session leaves nothing in any tier.
+    """
+
+    def __init__(self, store: TieredStore, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> None:
+        self._store = store
+        self._domain = domain
+        self._inner: WriteSession = store.memory.open_session(keys, layouts, domain)
+        self.keys = self._inner.keys
+        self.layouts = self._inner.layouts
+
+    def buffer(self, i: int):
+        return self._inner.buffer(i)
+
+    def write(self, i: int, offset: int, data) -> None:
+        self._inner.write(i, offset, data)
+
+    def commit(self) -> list[bool]:
+        results = self._inner.commit()
+        store = self._store
+        if store.cfg.store.write_policy == "write_through" and len(store.tiers) > 1:
+            with store.memory.borrow(self.keys) as lease:
+                pages = [(h, v) for h, v in zip(lease.headers, lease.views) if h is not None]
+                for tier in store.tiers[1:]:
+                    tier.put(pages, self._domain)
+        return results
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def __enter__(self) -> StoreSession:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._inner.closed:
+            self.abort()
+
+
+__all__ = ["Lookup", "StoreSession", "TieredStore", "TierFullError"]

@@ -1,0 +1,1 @@
+"""Tiers: where a page lives. Each implements :class:`lmkv.tiers.base.Tier`."""

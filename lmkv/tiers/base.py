@@ -1,0 +1,135 @@
+"""The tier interface every place a page can live implements.
+
+All calls are batched, thread-safe and synchronous; :class:`lmkv.store.TieredStore`
+runs them on its I/O threads and offers awaitable variants, so async code and
+an engine's model-runner thread use the same tiers.
+
+Reads land in caller-owned buffers at the page's own offsets: a full read fills
+``out[0:payload_bytes]``, a ranged read fills only the requested ranges, so a
+layerwise loader can hand layer ``l``'s bytes to the engine as soon as they
+arrive. A failed read is a miss for the caller (``None``); the tier counts the
+reason and drops a page it found corrupt so it is never served.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lmkv.layout import GroupLayout
+from lmkv.page import PageHeader, as_bytes_view, make_header
+
+Range = tuple[int, int]
+
+
+@dataclass
+class TierStats:
+    """Counters a tier keeps about itself (exported by :mod:`lmkv.metrics`)."""
+
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    put_bytes: int = 0
+    get_bytes: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    full: int = 0
+
+
+class WriteSession(ABC):
+    """Pages reserved for one step, filled range by range, committed atomically.
+
+    Nothing is visible to readers before :meth:`commit`; :meth:`abort` (or leaving
+    the ``with`` block by an exception) releases every reservation and leaves no trace.
+    """
+
+    def __init__(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout]) -> None:
+        if len(keys) != len(layouts):
+            raise ValueError("one layout per key")
+        self.keys = list(keys)
+        self.layouts = list(layouts)
+        self.closed = False
+
+    @abstractmethod
+    def buffer(self, i: int):
+        """Writable byte view of page ``i``'s payload (for copies that write in place)."""
+
+    def write(self, i: int, offset: int, data) -> None:
+        """Copy ``data`` into page ``i`` at payload ``offset`` (e.g. one layer's range)."""
+        src = as_bytes_view(data)
+        if offset < 0 or offset + len(src) > self.layouts[i].payload_bytes:
+            raise ValueError(
+                f"range [{offset}, {offset + len(src)}) outside a {self.layouts[i].payload_bytes}-byte page"
+            )
+        self.buffer(i)[offset : offset + len(src)] = src
+
+    def headers(self) -> list[PageHeader]:
+        """Checksum every page: one pass over each payload, once."""
+        return [make_header(k, lay, self.buffer(i)) for i, (k, lay) in enumerate(zip(self.keys, self.layouts))]
+
+    @abstractmethod
+    def commit(self) -> list[bool]:
+        """Publish every page at once; per page, whether it was stored."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Release every reservation; nothing becomes visible."""
+
+    def __enter__(self) -> WriteSession:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.closed:
+            self.abort()
+
+
+class Tier(ABC):
+    """A place pages live: host memory, local disk, the lmkv server, Redis."""
+
+    #: whether reads from this tier verify page checksums
+    verifies: bool = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.stats = TierStats()
+
+    @abstractmethod
+    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        """Read whole payloads into ``outs``; ``None`` for a page that is missing or failed."""
+
+    @abstractmethod
+    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+        """Read byte ranges (whole units of the layout) into ``out`` at their page offsets."""
+
+    @abstractmethod
+    def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
+        """Store pages whose header is already made; per page, whether it is now resident."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int: ...
+
+    @abstractmethod
+    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> WriteSession: ...
+
+    @abstractmethod
+    def clear(self, domain: str) -> int:
+        """Drop ``domain``'s ownership everywhere; delete pages no one else owns. Returns pages deleted."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    def close(self) -> None:
+        """Release resources; the default has none."""

@@ -1,0 +1,483 @@
+"""The local disk tier: one file per page, in lmkv's page format.
+
+On disk a page is its header padded to :data:`~lmkv.page.ALIGN`, then its
+payload padded to ALIGN, so every I/O engine (buffered POSIX, O_DIRECT, cuFile)
+reads and writes the same files.
+
+Layout of the directory::
+
+    tmp/                          pages being written (removed at start-up)
+    d/<domain>/<k0k1>/<key>.page  one hard link per owning residency domain
+
+A page is written to ``tmp/``, flushed (``fsync``), and only then linked into
+place, so a reader never sees a half-written page and a writer killed mid-page
+leaves only a temp file. The index is rebuilt from the file names on start-up;
+a file that was torn or flipped afterwards is caught by its checksum when read,
+and deleted. Ownership is one hard link per domain: clearing a domain unlinks
+its links, and the bytes go when the last owner does. A full file system is a
+clean per-page failure: the temp file is removed and nothing half-written
+remains.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lmkv.config import DiskConfig
+from lmkv.domains import DomainRegistry, check_domain
+from lmkv.errors import PageError, ShortReadError, TierFullError
+from lmkv.keys import key_hex, parse_key_hex
+from lmkv.layout import GroupLayout
+from lmkv.page import (
+    ALIGN,
+    FIXED_BYTES,
+    PageHeader,
+    as_bytes_view,
+    padded,
+    unpack_header,
+    units_in_ranges,
+    verify_payload,
+    verify_units,
+)
+from lmkv.policy import EvictionPolicy, make_policy
+from lmkv.tiers.base import Range, Tier, WriteSession
+
+log = logging.getLogger(__name__)
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+SUFFIX = ".page"
+
+
+def probe_direct_io(directory: Path) -> bool:
+    """Whether this file system accepts O_DIRECT (tmpfs and some overlays do not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / f".direct-probe-{uuid.uuid4().hex}"
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+        try:
+            os.write(fd, buf)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+        buf.close()
+
+
+def _aligned(view: memoryview, nbytes: int) -> bool:
+    """Whether a buffer can take part in O_DIRECT I/O of ``nbytes`` as it is."""
+    addr = np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
+    return addr % ALIGN == 0 and nbytes % ALIGN == 0 and len(view) >= nbytes
+
+
+class _Bounce(threading.local):
+    """A per-thread aligned scratch buffer for I/O that cannot use the caller's buffer."""
+
+    def get(self, nbytes: int) -> memoryview:
+        buf = getattr(self, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            self.buf = mmap.mmap(-1, padded(nbytes))
+        return memoryview(self.buf)[:nbytes]
+
+
+@dataclass(slots=True)
+class _Entry:
+    file_bytes: int
+    domains: int
+
+
+class DiskTier(Tier):
+    def __init__(self, cfg: DiskConfig, name: str = "disk") -> None:
+        super().__init__(name)
+        if not cfg.path:
+            raise ValueError("disk.path must be set to use the disk tier")
+        self.cfg = cfg
+        self.root = Path(cfg.path)
+        self._tmp = self.root / "tmp"
+        self._data = self.root / "d"
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        self._data.mkdir(parents=True, exist_ok=True)
+        self.direct = cfg.io == "direct" or (cfg.io == "auto" and probe_direct_io(self._tmp))
+        if cfg.io == "direct" and not probe_direct_io(self._tmp):
+            raise ValueError(f"disk.io = 'direct': the file system under {self.root} refuses O_DIRECT")
+        self._lock = threading.Lock()
+        self._index: dict[bytes, _Entry] = {}
+        self._domains = DomainRegistry()
+        self._policy: EvictionPolicy = make_policy(cfg.policy)
+        self._used = 0
+        self._reserved = 0
+        self._bounce = _Bounce()
+        self._rebuild()
+
+    # -- files -------------------------------------------------------------
+
+    def _path(self, key: bytes, domain: str) -> Path:
+        h = key_hex(key)
+        return self._data / domain / h[:2] / (h + SUFFIX)
+
+    def _rebuild(self) -> None:
+        """Index the files that are there; remove temp files of writers that died."""
+        for stale in self._tmp.iterdir():
+            stale.unlink(missing_ok=True)
+        found: list[tuple[float, bytes, str, int]] = []
+        for dom_dir in sorted(p for p in self._data.iterdir() if p.is_dir()):
+            try:
+                check_domain(dom_dir.name)
+            except ValueError:
+                log.warning("disk tier: ignoring unexpected directory %s", dom_dir)
+                continue
+            for sub in dom_dir.iterdir():
+                for f in sub.iterdir() if sub.is_dir() else ():
+                    try:
+                        key = parse_key_hex(f.name.removesuffix(SUFFIX))
+                        st = f.stat()
+                    except (ValueError, OSError):
+                        continue
+                    if not f.name.endswith(SUFFIX) or st.st_size < 2 * ALIGN or st.st_size % ALIGN:
+                        log.warning("disk tier: removing malformed page file %s", f)
+                        f.unlink(missing_ok=True)
+                        continue
+                    found.append((st.st_mtime, key, dom_dir.name, st.st_size))
+        for _, key, domain, size in sorted(found):
+            e = self._index.get(key)
+            if e is None:
+                self._index[key] = _Entry(size, self._domains.bit(domain))
+                self._policy.insert(key)
+                self._used += size
+            else:
+                e.domains |= self._domains.bit(domain)
+        if self._index:
+            log.info("disk tier %s: %d pages, %d bytes indexed", self.root, len(self._index), self._used)
+
+    def _open_any(self, key: bytes, e: _Entry, flags: int) -> int:
+        for domain in self._domains.names(e.domains):
+            try:
+                return os.open(self._path(key, domain), flags)
+            except FileNotFoundError:
+                continue
+        raise FileNotFoundError(key_hex(key))
+
+    def _unlink_all(self, key: bytes, domains: int) -> None:
+        for domain in self._domains.names(domains):
+            self._path(key, domain).unlink(missing_ok=True)
+
+    def _forget(self, key: bytes) -> _Entry | None:
+        """Under the lock: drop a page from the index (its files are unlinked by the caller)."""
+        e = self._index.pop(key, None)
+        if e is not None:
+            self._policy.remove(key)
+            self._used -= e.file_bytes
+        return e
+
+    def _discard(self, key: bytes, why: str) -> None:
+        with self._lock:
+            e = self._forget(key)
+            self.stats.corrupt += 1
+        if e is not None:
+            self._unlink_all(key, e.domains)
+        log.warning("disk tier: discarded page %s: %s", key_hex(key), why)
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Under the lock: evict until ``nbytes`` more fit within capacity."""
+        cap = int(self.cfg.capacity)
+        if nbytes > cap:
+            return False
+        while self._used + self._reserved + nbytes > cap:
+            key = self._policy.victim(lambda k: True)
+            if key is None:
+                return False
+            e = self._forget(key)
+            assert e is not None
+            self._unlink_all(key, e.domains)
+            self.stats.evictions += 1
+        return True
+
+    # -- reading -----------------------------------------------------------
+
+    def _read_page(self, key: bytes, layout: GroupLayout, out, ranges: Sequence[Range] | None) -> PageHeader | None:
+        with self._lock:
+            e = self._index.get(key)
+            if e is not None:
+                self._policy.touch(key)
+        if e is None:
+            self.stats.misses += 1
+            return None
+        hdr_bytes = padded(FIXED_BYTES + 8 * layout.num_layers * len(layout.segments))
+        plen = layout.payload_bytes
+        dst = as_bytes_view(out)
+        whole = ranges is None
+        direct = self.direct and (whole or all(s % ALIGN == 0 and t % ALIGN == 0 for s, t in ranges))
+        try:
+            fd = self._open_any(key, e, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            self._discard(key, "file vanished")
+            self.stats.misses += 1
+            return None
+        try:
+            if whole:
+                if direct and _aligned(dst, padded(plen)):
+                    hdr = self._bounce.get(hdr_bytes)
+                    got = os.preadv(fd, [hdr, dst[: padded(plen)]], 0)
+                    if got < hdr_bytes + plen:
+                        raise ShortReadError(f"read {got} bytes of a {hdr_bytes + plen}-byte page")
+                else:
+                    total = hdr_bytes + padded(plen)
+                    scratch = self._bounce.get(total)
+                    got = os.preadv(fd, [scratch], 0)
+                    if got < hdr_bytes + plen:
+                        raise ShortReadError(f"read {got} bytes of a {hdr_bytes + plen}-byte page")
+                    hdr = scratch[:hdr_bytes]
+                    dst[:plen] = scratch[hdr_bytes : hdr_bytes + plen]
+                header = unpack_header(hdr, expect_key=key, layout=layout)
+                verify_payload(header, layout, dst)
+                n = plen
+            else:
+                hdr = self._bounce.get(hdr_bytes)
+                if os.preadv(fd, [hdr], 0) < hdr_bytes:
+                    raise ShortReadError("page header is truncated")
+                header = unpack_header(hdr, expect_key=key, layout=layout)
+                n = 0
+                for start, end in ranges:
+                    if os.preadv(fd, [dst[start:end]], hdr_bytes + start) < end - start:
+                        raise ShortReadError(f"range [{start}, {end}) is truncated")
+                    n += end - start
+                verify_units(header, layout, dst, units_in_ranges(layout, ranges))
+        except PageError as err:
+            self._discard(key, str(err))
+            self.stats.misses += 1
+            return None
+        except OSError as err:
+            self.stats.errors += 1
+            self.stats.misses += 1
+            log.warning("disk tier: reading %s failed: %s", key_hex(key), err)
+            return None
+        finally:
+            os.close(fd)
+        self.stats.hits += 1
+        self.stats.get_bytes += n
+        return header
+
+    # -- writing -----------------------------------------------------------
+
+    def _write_tmp(self, header: PageHeader, payload) -> Path:
+        """Write one page to a temp file, flushed; raises OSError (temp file removed) on failure."""
+        src = as_bytes_view(payload)
+        hdr_bytes = header.disk_header_bytes
+        plen = header.payload_len
+        tmp = self._tmp / f"{key_hex(header.key)}.{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self.direct else 0), 0o644)
+        try:
+            packed = header.pack()
+            if self.direct and _aligned(src, padded(plen)):
+                hdr = self._bounce.get(hdr_bytes)
+                hdr[: len(packed)] = packed
+                hdr[len(packed) :] = bytes(hdr_bytes - len(packed))
+                iov = [hdr, src[: padded(plen)]]
+            else:
+                total = hdr_bytes + padded(plen)
+                scratch = self._bounce.get(total)
+                scratch[: len(packed)] = packed
+                scratch[len(packed) : hdr_bytes] = bytes(hdr_bytes - len(packed))
+                scratch[hdr_bytes : hdr_bytes + plen] = src[:plen]
+                scratch[hdr_bytes + plen :] = bytes(total - hdr_bytes - plen)
+                iov = [scratch]
+            want = sum(len(v) for v in iov)
+            if os.pwritev(fd, iov, 0) != want:
+                raise OSError(errno.EIO, "short write")
+            if self.cfg.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _publish(self, header: PageHeader, tmp: Path, domain: str) -> bool:
+        """Link a flushed temp file into place for ``domain``; under the lock."""
+        key = header.key
+        bit = self._domains.bit(domain)
+        size = header.disk_header_bytes + padded(header.payload_len)
+        e = self._index.get(key)
+        if e is not None:  # a twin was published meanwhile
+            tmp.unlink(missing_ok=True)
+            if not e.domains & bit:
+                self._link_domain(key, e, domain)
+            return True
+        final = self._path(key, domain)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, final)
+        self._index[key] = _Entry(size, bit)
+        self._policy.insert(key)
+        self._used += size
+        self.stats.puts += 1
+        self.stats.put_bytes += header.payload_len
+        return True
+
+    def _link_domain(self, key: bytes, e: _Entry, domain: str) -> None:
+        """Under the lock: add an owner to a resident page (a hard link, no bytes copied)."""
+        src = next(self._path(key, d) for d in self._domains.names(e.domains))
+        dst = self._path(key, domain)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            pass
+        e.domains |= self._domains.bit(domain)
+
+    def _store(self, header: PageHeader, payload, domain: str, reserved: bool) -> bool:
+        size = header.disk_header_bytes + padded(header.payload_len)
+        try:
+            tmp = self._write_tmp(header, payload)
+        except OSError as err:
+            with self._lock:
+                if reserved:
+                    self._reserved -= size
+            if err.errno in _FULL_ERRNOS:
+                self.stats.full += 1
+                log.warning("disk tier: file system full writing %s", key_hex(header.key))
+            else:
+                self.stats.errors += 1
+                log.warning("disk tier: writing %s failed: %s", key_hex(header.key), err)
+            return False
+        with self._lock:
+            if reserved:
+                self._reserved -= size
+            return self._publish(header, tmp, domain)
+
+    # -- Tier --------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        return [self._read_page(k, layout, out, None) for k, out in zip(keys, outs)]
+
+    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+        return self._read_page(key, layout, out, list(ranges))
+
+    def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
+        check_domain(domain)
+        results = []
+        for header, payload in pages:
+            size = header.disk_header_bytes + padded(header.payload_len)
+            with self._lock:
+                e = self._index.get(header.key)
+                if e is not None:
+                    if not e.domains & self._domains.bit(domain):
+                        self._link_domain(header.key, e, domain)
+                    self._policy.touch(header.key)
+                    results.append(True)
+                    continue
+                room = self._make_room(size)
+                if room:
+                    self._reserved += size
+            if not room:
+                self.stats.full += 1
+                results.append(False)
+                continue
+            results.append(self._store(header, payload, domain, reserved=True))
+        return results
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            with self._lock:
+                e = self._forget(k)
+            if e is not None:
+                self._unlink_all(k, e.domains)
+                n += 1
+        return n
+
+    def clear(self, domain: str) -> int:
+        check_domain(domain)
+        with self._lock:
+            bit = self._domains.bit(domain)
+            deleted = 0
+            for key, e in list(self._index.items()):
+                if not e.domains & bit:
+                    continue
+                self._path(key, domain).unlink(missing_ok=True)
+                e.domains &= ~bit
+                if not e.domains:
+                    self._forget(key)
+                    deleted += 1
+            return deleted
+
+    def owners(self, key: bytes) -> list[str]:
+        with self._lock:
+            e = self._index.get(key)
+            return self._domains.names(e.domains) if e else []
+
+    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> DiskSession:
+        return DiskSession(self, keys, layouts, check_domain(domain))
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.cfg.capacity)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+class DiskSession(WriteSession):
+    """Pages are filled in aligned host buffers; commit writes them all, then publishes them together."""
+
+    def __init__(self, tier: DiskTier, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> None:
+        super().__init__(keys, layouts)
+        self._tier = tier
+        self._domain = domain
+        self._sizes = [padded(FIXED_BYTES + 8 * lay.num_layers * len(lay.segments)) + padded(lay.payload_bytes) for lay in layouts]
+        with tier._lock:
+            if not tier._make_room(sum(self._sizes)):
+                tier.stats.full += 1
+                raise TierFullError(f"{tier.name}: no room for a {len(keys)}-page session")
+            tier._reserved += sum(self._sizes)
+        self._bufs = [mmap.mmap(-1, padded(lay.payload_bytes)) for lay in layouts]
+
+    def buffer(self, i: int) -> memoryview:
+        return memoryview(self._bufs[i])[: self.layouts[i].payload_bytes]
+
+    def commit(self) -> list[bool]:
+        tier = self._tier
+        tmps: list[Path | None] = []
+        headers = self.headers()
+        try:
+            for h, buf in zip(headers, self._bufs):
+                try:
+                    tmps.append(tier._write_tmp(h, memoryview(buf)))
+                except OSError as err:
+                    tier.stats.full += err.errno in _FULL_ERRNOS
+                    tier.stats.errors += err.errno not in _FULL_ERRNOS
+                    log.warning("disk tier: session write of %s failed: %s", key_hex(h.key), err)
+                    tmps.append(None)
+            with tier._lock:
+                tier._reserved -= sum(self._sizes)
+                return [tier._publish(h, t, self._domain) if t else False for h, t in zip(headers, tmps)]
+        finally:
+            self.closed = True
+
+    def abort(self) -> None:
+        if not self.closed:
+            with self._tier._lock:
+                self._tier._reserved -= sum(self._sizes)
+        self.closed = True

@@ -1,0 +1,334 @@
+"""The host-memory tier: pages in one preallocated arena.
+
+Space comes from :class:`~lmkv.allocator.SlabAllocator`; each size class has its
+own eviction policy (pages of a class are interchangeable, so evicting within
+the class always frees a usable slot). Readers pin what they copy from, so a
+page is never evicted or overwritten under a copy in flight. Evicted pages are
+handed to ``on_evict`` (the store demotes them to a lower tier) before their
+slot is reused; that happens outside the tier's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lmkv.allocator import SlabAllocator
+from lmkv.arena import HostArena
+from lmkv.config import MemoryConfig
+from lmkv.domains import DomainRegistry
+from lmkv.errors import PageError, TierFullError
+from lmkv.layout import GroupLayout
+from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, verify_payload, verify_units
+from lmkv.policy import EvictionPolicy, make_policy
+from lmkv.tiers.base import Range, Tier, WriteSession
+
+#: called with (header, payload view, owning domains) of each evicted page, before its slot is reused
+EvictHook = Callable[[list[tuple[PageHeader, np.ndarray, list[str]]]], None]
+
+
+@dataclass(slots=True)
+class _Entry:
+    offset: int
+    header: PageHeader
+    domains: int
+    pins: int = 0
+    deleted: bool = False
+
+
+class Lease:
+    """Zero-copy views of resident pages, pinned until :meth:`release`."""
+
+    def __init__(self, tier: MemoryTier, entries: list[_Entry | None]) -> None:
+        self._tier = tier
+        self._entries = entries
+        self.headers = [e.header if e else None for e in entries]
+        self.views = [tier._view(e) if e else None for e in entries]
+
+    def release(self) -> None:
+        if self._entries:
+            self._tier._unpin(self._entries)
+            self._entries = []
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class MemoryTier(Tier):
+    def __init__(self, cfg: MemoryConfig, name: str = "memory", on_evict: EvictHook | None = None) -> None:
+        super().__init__(name)
+        self.cfg = cfg
+        self.verifies = cfg.verify_checksums
+        self.on_evict = on_evict
+        self._arena = HostArena(int(cfg.capacity), cfg.pin, cfg.prefault)
+        self._alloc = SlabAllocator(int(cfg.capacity), int(cfg.slab_size))
+        self._policies: dict[int, EvictionPolicy] = {}
+        self._index: dict[bytes, _Entry] = {}
+        self._domains = DomainRegistry()
+        self._lock = threading.Lock()
+        self._used = 0
+
+    # -- space -------------------------------------------------------------
+
+    @property
+    def pinned(self) -> bool:
+        return self._arena.pinned
+
+    def _view(self, e: _Entry) -> np.ndarray:
+        return self._arena.view(e.offset, e.header.payload_len)
+
+    def _policy(self, nbytes: int) -> EvictionPolicy:
+        slot = self._alloc.slot_bytes(nbytes)
+        p = self._policies.get(slot)
+        if p is None:
+            p = self._policies[slot] = make_policy(self.cfg.policy)
+        return p
+
+    def _take_victim(self, nbytes: int) -> _Entry | None:
+        """Under the lock: remove one evictable page, preferring the size class that needs room."""
+        own = self._policy(nbytes)
+        candidates = [own] if len(own) else []
+        candidates += sorted((p for p in self._policies.values() if p is not own and len(p)), key=len, reverse=True)
+        for policy in candidates:
+            key = policy.victim(lambda k: self._index[k].pins == 0)
+            if key is not None:
+                e = self._index.pop(key)
+                self.stats.evictions += 1
+                return e
+        return None
+
+    def _reserve(self, nbytes: int) -> int | None:
+        """An arena offset for ``nbytes``, evicting (and demoting) as needed; None when all is pinned."""
+        while True:
+            with self._lock:
+                off = self._alloc.alloc(nbytes)
+                if off is not None:
+                    self._used += nbytes
+                    return off
+                victim = self._take_victim(nbytes)
+                if victim is None:
+                    return None
+            if self.on_evict is not None:
+                owners = self._domains.names(victim.domains)
+                self.on_evict([(victim.header, self._view(victim), owners)])
+            with self._lock:
+                self._release_slot(victim.offset, victim.header.payload_len)
+
+    def _release_slot(self, offset: int, nbytes: int) -> None:
+        self._alloc.free(offset, nbytes)
+        self._used -= nbytes
+
+    def _unpin(self, entries: Sequence[_Entry | None]) -> None:
+        with self._lock:
+            for e in entries:
+                if e is None:
+                    continue
+                e.pins -= 1
+                if e.pins == 0 and e.deleted:
+                    self._release_slot(e.offset, e.header.payload_len)
+
+    def _pin(self, keys: Sequence[bytes]) -> list[_Entry | None]:
+        with self._lock:
+            out = []
+            for k in keys:
+                e = self._index.get(k)
+                if e is None:
+                    self.stats.misses += 1
+                else:
+                    e.pins += 1
+                    self._policy(e.header.payload_len).touch(k)
+                    self.stats.hits += 1
+                out.append(e)
+            return out
+
+    def _insert(self, header: PageHeader, offset: int, bit: int) -> bool:
+        """Under the lock: publish a filled slot; a concurrent twin wins and this slot is freed."""
+        twin = self._index.get(header.key)
+        if twin is not None:
+            twin.domains |= bit
+            self._release_slot(offset, header.payload_len)
+            return True
+        self._index[header.key] = _Entry(offset, header, bit)
+        self._policy(header.payload_len).insert(header.key)
+        self.stats.puts += 1
+        self.stats.put_bytes += header.payload_len
+        return True
+
+    def _drop(self, e: _Entry) -> None:
+        """Under the lock: forget a page already removed from the index."""
+        self._policy(e.header.payload_len).remove(e.header.key)
+        if e.pins:
+            e.deleted = True
+        else:
+            self._release_slot(e.offset, e.header.payload_len)
+
+    def _discard_corrupt(self, e: _Entry) -> None:
+        with self._lock:
+            if self._index.get(e.header.key) is e:
+                del self._index[e.header.key]
+                self._drop(e)
+            self.stats.corrupt += 1
+
+    # -- Tier --------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._index for k in keys]
+
+    def borrow(self, keys: Sequence[bytes]) -> Lease:
+        """Pin pages and return zero-copy views; release the lease when the copies are done."""
+        return Lease(self, self._pin(keys))
+
+    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        entries = self._pin(keys)
+        results: list[PageHeader | None] = []
+        try:
+            for e, out in zip(entries, outs):
+                if e is None:
+                    results.append(None)
+                    continue
+                src = self._view(e)
+                dst = as_bytes_view(out)
+                np.copyto(np.frombuffer(dst, np.uint8, len(src)), src)
+                if self.verifies:
+                    try:
+                        verify_payload(e.header, layout, dst)
+                    except PageError:
+                        self._discard_corrupt(e)
+                        results.append(None)
+                        continue
+                self.stats.get_bytes += len(src)
+                results.append(e.header)
+        finally:
+            self._unpin(entries)
+        return results
+
+    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+        (e,) = self._pin([key])
+        if e is None:
+            return None
+        try:
+            src = self._view(e)
+            dst = np.frombuffer(as_bytes_view(out), np.uint8)
+            for start, end in ranges:
+                dst[start:end] = src[start:end]
+            if self.verifies:
+                try:
+                    verify_units(e.header, layout, dst, units_in_ranges(layout, ranges))
+                except PageError:
+                    self._discard_corrupt(e)
+                    return None
+            self.stats.get_bytes += sum(end - start for start, end in ranges)
+            return e.header
+        finally:
+            self._unpin([e])
+
+    def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
+        results = []
+        with self._lock:
+            bit = self._domains.bit(domain)
+        for header, payload in pages:
+            with self._lock:
+                e = self._index.get(header.key)
+                if e is not None:
+                    e.domains |= bit
+                    self._policy(header.payload_len).touch(header.key)
+                    results.append(True)
+                    continue
+            src = np.frombuffer(as_bytes_view(payload), np.uint8)
+            if len(src) != header.payload_len:
+                raise ValueError(f"payload has {len(src)} bytes, header says {header.payload_len}")
+            off = self._reserve(header.payload_len)
+            if off is None:
+                self.stats.full += 1
+                results.append(False)
+                continue
+            np.copyto(self._arena.view(off, header.payload_len), src)
+            with self._lock:
+                results.append(self._insert(header, off, bit))
+        return results
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                e = self._index.pop(k, None)
+                if e is not None:
+                    self._drop(e)
+                    n += 1
+        return n
+
+    def clear(self, domain: str) -> int:
+        with self._lock:
+            bit = self._domains.bit(domain)
+            doomed = []
+            for k, e in self._index.items():
+                if e.domains & bit:
+                    e.domains &= ~bit
+                    if not e.domains:
+                        doomed.append(k)
+            for k in doomed:
+                self._drop(self._index.pop(k))
+            return len(doomed)
+
+    def owners(self, key: bytes) -> list[str]:
+        with self._lock:
+            e = self._index.get(key)
+            return self._domains.names(e.domains) if e else []
+
+    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> MemorySession:
+        return MemorySession(self, keys, layouts, domain)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.cfg.capacity)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+class MemorySession(WriteSession):
+    """Reserves arena slots up front; the engine's bytes are written straight into them."""
+
+    def __init__(self, tier: MemoryTier, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> None:
+        super().__init__(keys, layouts)
+        self._tier = tier
+        self._domain = domain
+        self._offsets: list[int] = []
+        for lay in self.layouts:
+            off = tier._reserve(lay.payload_bytes)
+            if off is None:
+                self.abort()
+                tier.stats.full += 1
+                raise TierFullError(f"{tier.name}: no room for a {len(self.keys)}-page session")
+            self._offsets.append(off)
+
+    def buffer(self, i: int) -> np.ndarray:
+        return self._tier._arena.view(self._offsets[i], self.layouts[i].payload_bytes)
+
+    def commit(self) -> list[bool]:
+        headers = self.headers()
+        tier = self._tier
+        with tier._lock:
+            bit = tier._domains.bit(self._domain)
+            results = [tier._insert(h, off, bit) for h, off in zip(headers, self._offsets)]
+        self._offsets = []
+        self.closed = True
+        return results
+
+    def abort(self) -> None:
+        with self._tier._lock:
+            for off, lay in zip(self._offsets, self.layouts):
+                self._tier._release_slot(off, lay.payload_bytes)
+        self._offsets = []
+        self.closed = True
