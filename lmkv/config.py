@@ -86,6 +86,13 @@ class LMKVConfig(_Section):
     store: StoreConfig = Field(default_factory=StoreConfig)
 
 
+_HINTS = {
+    "byte_size": "expected a byte size such as 512MiB, 8GiB or a number of bytes",
+    "byte_size_unit": "expected a byte size such as 512MiB, 8GiB or a number of bytes",
+    "bool_parsing": "expected true/false, yes/no, on/off or 1/0",
+}
+
+
 def _describe(err: Mapping[str, Any], model: type[BaseModel]) -> str:
     loc = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
@@ -94,7 +101,8 @@ def _describe(err: Mapping[str, Any], model: type[BaseModel]) -> str:
             section = section.model_fields[str(part)].annotation
         accepted = ", ".join(sorted(section.model_fields))
         return f"{loc}: unknown setting (accepted here: {accepted})"
-    return f"{loc} = {err.get('input')!r}: {err['msg']}"
+    hint = _HINTS.get(err["type"])
+    return f"{loc} = {err.get('input')!r}: {err['msg']}" + (f" ({hint})" if hint else "")
 
 
 def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,19 @@
+"""``lmkv bench NAME``: benchmarks that print figures beside a baseline measured in the same run.
+
+Each module here has ``run(quick: bool) -> Report``; the output shape is
+described in :mod:`lmkv.benchmarks.report`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHES = {
+    "tiers": "host-memory and disk tier put/get GB/s beside memcpy and raw file I/O",
+}
+
+
+def load(name: str):
+    if name not in BENCHES:
+        raise KeyError(f"unknown bench {name!r}; available: {', '.join(sorted(BENCHES))}")
+    return importlib.import_module(f"lmkv.benchmarks.{name}")

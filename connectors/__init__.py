@@ -1,0 +1,1 @@
+"""Engine adapters: thin translations between an engine's API and :mod:`lmkv`."""

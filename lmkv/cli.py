@@ -1,0 +1,86 @@
+"""The ``lmkv`` command: ``bench``, ``config``, ``stats``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from lmkv.config import ConfigError, load_config
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from lmkv import benchmarks
+
+    try:
+        mod = benchmarks.load(args.name)
+    except KeyError as e:
+        print(e.args[0], file=sys.stderr)
+        return 2
+    kwargs = {"directory": args.dir} if args.dir else {}
+    report = mod.run(quick=args.quick, **kwargs)
+    if args.json:
+        print(report.to_json())
+    else:
+        report.print_table()
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    overrides = {"config_file": args.file} if args.file else {}
+    cfg = load_config(overrides)
+    print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    """Open the configured tiers (read-only use) and print what they hold."""
+    from lmkv.store import TieredStore
+
+    overrides = {"config_file": args.file} if args.file else {}
+    with TieredStore(load_config(overrides)) as store:
+        print(json.dumps(store.stats(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lmkv.benchmarks import BENCHES
+
+    p = argparse.ArgumentParser(prog="lmkv", description="KV-cache tiers for vLLM and SGLang")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at debug level (to stderr)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES))
+    b.add_argument("name", help=" | ".join(f"{k}: {v}" for k, v in BENCHES.items()))
+    b.add_argument("--json", action="store_true", help="print one JSON object (shared/BENCH.md shape)")
+    b.add_argument("--quick", action="store_true", help="a smaller run, same metric names")
+    b.add_argument("--dir", help="directory for on-disk files (default: the system temp dir)")
+    b.set_defaults(fn=_bench)
+
+    c = sub.add_parser("config", help="print the effective configuration (file < LMKV_* env)")
+    c.add_argument("--file", help="YAML configuration file")
+    c.set_defaults(fn=_config)
+
+    s = sub.add_parser("stats", help="print per-tier statistics of the configured tiers")
+    s.add_argument("--file", help="YAML configuration file")
+    s.set_defaults(fn=_stats)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"lmkv: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Shared fixtures: small layouts, payloads, and a small real tmpfs for disk-full tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+
+import numpy as np
+import pytest
+
+from lmkv.layout import GroupLayout, Segment, StateKind, attention_layout
+
+
+@pytest.fixture
+def layout() -> GroupLayout:
+    """4 layers x (K, V) of 8 KiB: a 64 KiB page."""
+    return attention_layout("attn", num_layers=4, tokens_per_page=32, num_kv_heads=2, head_size=64,
+                            dtype_bytes=2, dtype="bfloat16")
+
+
+@pytest.fixture
+def mamba_layout() -> GroupLayout:
+    return GroupLayout("mamba", StateKind.MAMBA, num_layers=3,
+                       segments=(Segment("conv", 3000), Segment("ssm", 5096)),
+                       tokens_per_page=64, dtype="float32", tp_size=2, tp_rank=1, tp_replicas=1)
+
+
+def random_payload(layout: GroupLayout, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, layout.payload_bytes, dtype=np.uint8)
+
+
+def random_key() -> bytes:
+    return os.urandom(16)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 1 MiB tmpfs: a real file system that fills up. Needs root (CI runs as root)."""
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -1,0 +1,55 @@
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmkv.allocator import SlabAllocator
+from lmkv.page import ALIGN
+
+
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from([4096, 10000, 65536, 200000])), max_size=300),
+       st.integers(0, 2**16))
+@settings(max_examples=80, deadline=None)
+def test_churn_never_overlaps_and_frees_everything(ops, seed):
+    rnd = random.Random(seed)
+    a = SlabAllocator(4 << 20, 1 << 20)
+    live: dict[int, int] = {}
+    for do_alloc, size in ops:
+        if do_alloc or not live:
+            off = a.alloc(size)
+            if off is None:
+                continue
+            assert off % ALIGN == 0
+            assert off + size <= a.capacity
+            for o, s in live.items():
+                assert off + size <= o or o + s <= off, "overlapping slots"
+            live[off] = size
+        else:
+            off = rnd.choice(list(live))
+            a.free(off, live.pop(off))
+    for off, size in live.items():
+        a.free(off, size)
+    assert a.free_slabs == a.num_slabs
+
+
+def test_a_shrinking_class_hands_slabs_to_another():
+    a = SlabAllocator(4 << 20, 1 << 20)  # 4 slabs
+    small = [a.alloc(64 << 10) for _ in range(64)]  # fills all 4 slabs with 16 slots each
+    assert all(o is not None for o in small) and a.alloc(64 << 10) is None
+    assert a.alloc(300 << 10) is None
+    for off in small[:16]:  # empties exactly the first slab carved
+        a.free(off, 64 << 10)
+    assert a.free_slabs == 1
+    assert a.alloc(300 << 10) is not None
+
+
+def test_errors():
+    a = SlabAllocator(1 << 20, 1 << 20)
+    with pytest.raises(ValueError, match="slab"):
+        a.alloc(2 << 20)
+    off = a.alloc(4096)
+    with pytest.raises(ValueError):
+        a.free(off + 1, 4096)
+    with pytest.raises(ValueError):
+        SlabAllocator(100, 4096)

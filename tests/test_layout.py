@@ -1,0 +1,55 @@
+import pytest
+
+from lmkv.layout import GroupLayout, Growth, Segment, StateKind, attention_layout
+
+
+def test_layer_ranges_tile_the_payload(layout):
+    stride = layout.layer_stride
+    assert layout.payload_bytes == 4 * stride
+    assert layout.layer_range(2) == (2 * stride, 3 * stride)
+    k0, k1 = layout.layer_range(2, 0)
+    v0, v1 = layout.layer_range(2, 1)
+    assert (k0, v1) == layout.layer_range(2) and k1 == v0
+    with pytest.raises(IndexError):
+        layout.layer_range(4)
+
+
+def test_growth_follows_kind(layout, mamba_layout):
+    assert layout.growth is Growth.PER_TOKEN
+    assert mamba_layout.growth is Growth.PER_SEQUENCE
+
+
+def test_tp_placement_is_explicit():
+    kw = dict(name="g", num_layers=1, tokens_per_page=16, num_kv_heads=1, head_size=64, dtype_bytes=2, dtype="bf16")
+    # tp=8 with 2 KV heads: 4 consecutive ranks share each head -> 2 shards, 1 writer per replica set
+    ranks = [attention_layout(**kw, tp_size=8, tp_rank=r, tp_replicas=4) for r in range(8)]
+    assert [lay.shard for lay in ranks] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [lay.is_writer for lay in ranks] == [True, False, False, False, True, False, False, False]
+    full = [attention_layout(**kw, tp_size=2, tp_rank=r, tp_replicas=2) for r in range(2)]
+    assert [lay.shard for lay in full] == [None, None] and [lay.is_writer for lay in full] == [True, False]
+    assert len({lay.fingerprint for lay in ranks}) == 1
+
+
+def test_sharded_mamba_every_rank_writes(mamba_layout):
+    ranks = [mamba_layout.with_rank(r) for r in range(2)]
+    assert all(lay.is_writer for lay in ranks)
+    assert [lay.shard for lay in ranks] == [0, 1]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(num_layers=0), dict(segments=()), dict(segments=(Segment("k", 0),)),
+    dict(segments=(Segment("k", 4), Segment("k", 4))), dict(tokens_per_page=0),
+    dict(tp_size=2, tp_rank=2), dict(tp_size=4, tp_replicas=3), dict(kind=StateKind.SLIDING_WINDOW),
+])
+def test_invalid_layouts_are_rejected(bad):
+    base = dict(name="g", kind=StateKind.FULL_ATTENTION, num_layers=2, segments=(Segment("kv", 64),),
+                tokens_per_page=16, dtype="bf16")
+    with pytest.raises(ValueError, match="group 'g'"):
+        GroupLayout(**{**base, **bad})
+
+
+def test_fingerprint_tracks_bytes_not_rank(layout):
+    assert layout.fingerprint == layout.with_rank(0).fingerprint
+    other = GroupLayout(**{**layout.to_dict(), "num_layers": 5})
+    assert other.fingerprint != layout.fingerprint
+    assert "4 layers" in layout.describe()

@@ -1,0 +1,100 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmkv.errors import ChecksumError, PageFormatError, ShortReadError
+from lmkv.layout import GroupLayout
+from lmkv.page import (
+    FIXED_BYTES, make_header, unit_ranges, units_in_ranges, units_of_layers, unpack_header,
+    verify_payload, verify_units,
+)
+
+from conftest import random_payload
+
+KEY = bytes(range(16))
+
+
+def test_header_roundtrip(layout):
+    p = random_payload(layout)
+    h = make_header(KEY, layout, p)
+    assert h.num_units == 8 and h.header_bytes == FIXED_BYTES + 64
+    again = unpack_header(h.pack(), expect_key=KEY, layout=layout)
+    assert again == h
+    verify_payload(again, layout, p)
+
+
+@given(st.data())
+@settings(max_examples=80, deadline=None)
+def test_any_flipped_payload_bit_is_caught(data):
+    from lmkv.layout import attention_layout
+
+    lay = attention_layout("g", 3, 16, 1, 64, 2, "bf16")
+    p = random_payload(lay, 1)
+    h = make_header(KEY, lay, p)
+    pos = data.draw(st.integers(0, len(p) - 1))
+    bit = data.draw(st.integers(0, 7))
+    bad = p.copy()
+    bad[pos] ^= 1 << bit
+    with pytest.raises(ChecksumError, match="layer"):
+        verify_payload(h, lay, bad)
+
+
+@given(st.data())
+@settings(max_examples=80, deadline=None)
+def test_any_flipped_header_bit_is_caught(data):
+    from lmkv.layout import attention_layout
+
+    lay = attention_layout("g", 2, 16, 1, 64, 2, "bf16")
+    packed = bytearray(make_header(KEY, lay, random_payload(lay)).pack())
+    pos = data.draw(st.integers(0, len(packed) - 1).filter(lambda i: not 6 <= i < 8 and not 56 <= i < 64))
+    packed[pos] ^= 1 << data.draw(st.integers(0, 7))
+    with pytest.raises((PageFormatError, ChecksumError, ShortReadError)):
+        unpack_header(bytes(packed), expect_key=KEY, layout=lay)
+
+
+def test_wrong_key_layout_and_truncation(layout, mamba_layout):
+    h = make_header(KEY, layout, random_payload(layout))
+    with pytest.raises(PageFormatError, match="expected"):
+        unpack_header(h.pack(), expect_key=bytes(16), layout=layout)
+    with pytest.raises(PageFormatError, match="layout"):
+        unpack_header(h.pack(), layout=mamba_layout)
+    with pytest.raises(ShortReadError):
+        unpack_header(h.pack()[:40])
+    with pytest.raises(ShortReadError):
+        unpack_header(h.pack()[:-1])
+    with pytest.raises(PageFormatError, match="magic"):
+        unpack_header(b"XXXX" + h.pack()[4:])
+    with pytest.raises(ShortReadError):
+        verify_payload(h, layout, random_payload(layout)[:-5])
+    with pytest.raises(ValueError):
+        make_header(KEY, layout, random_payload(layout)[:-1])
+
+
+def test_layerwise_verification_checks_only_the_layers_read(layout):
+    p = random_payload(layout)
+    h = make_header(KEY, layout, p)
+    out = np.zeros_like(p)
+    s, e = layout.layer_range(1)
+    out[s:e] = p[s:e]
+    verify_units(h, layout, out, units_of_layers(layout, [1]))  # other layers are zeros: fine
+    with pytest.raises(ChecksumError, match="layer 2"):
+        verify_units(h, layout, out, units_of_layers(layout, [2]))
+
+
+def test_units_in_ranges(layout):
+    assert units_in_ranges(layout, [layout.layer_range(0), layout.layer_range(3, 1)]) == [0, 1, 7]
+    s, e = layout.layer_range(1)
+    assert units_in_ranges(layout, [(s, layout.layer_range(2)[1])]) == [2, 3, 4, 5]
+    with pytest.raises(ValueError):
+        units_in_ranges(layout, [(s + 1, e)])
+    with pytest.raises(ValueError):
+        units_in_ranges(layout, [(s, e - 1)])
+    assert len(unit_ranges(layout)) == 8
+
+
+def test_mamba_units(mamba_layout: GroupLayout):
+    p = random_payload(mamba_layout)
+    h = make_header(KEY, mamba_layout, p)
+    assert h.num_units == 6
+    verify_payload(h, mamba_layout, p)
