@@ -84,6 +84,19 @@ def _aligned(view: memoryview, nbytes: int) -> bool:
     return addr % ALIGN == 0 and nbytes % ALIGN == 0 and len(view) >= nbytes
 
 
+def _pwritev_all(fd: int, iov: list[memoryview]) -> None:
+    """Write every buffer; a short write is retried, so a full file system surfaces as ENOSPC."""
+    offset = 0
+    for buf in iov:
+        done = 0
+        while done < len(buf):
+            n = os.pwrite(fd, buf[done:], offset + done)
+            if n <= 0:
+                raise OSError(errno.ENOSPC, "no progress writing page")
+            done += n
+        offset += len(buf)
+
+
 class _Bounce(threading.local):
     """A per-thread aligned scratch buffer for I/O that cannot use the caller's buffer."""
 
@@ -220,7 +233,9 @@ class DiskTier(Tier):
         plen = layout.payload_bytes
         dst = as_bytes_view(out)
         whole = ranges is None
-        direct = self.direct and (whole or all(s % ALIGN == 0 and t % ALIGN == 0 for s, t in ranges))
+        direct = self.direct and (
+            whole or all(s % ALIGN == 0 and _aligned(dst[s:t], t - s) for s, t in ranges)
+        )
         try:
             fd = self._open_any(key, e, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         except FileNotFoundError:
@@ -295,9 +310,7 @@ class DiskTier(Tier):
                 scratch[hdr_bytes : hdr_bytes + plen] = src[:plen]
                 scratch[hdr_bytes + plen :] = bytes(total - hdr_bytes - plen)
                 iov = [scratch]
-            want = sum(len(v) for v in iov)
-            if os.pwritev(fd, iov, 0) != want:
-                raise OSError(errno.EIO, "short write")
+            _pwritev_all(fd, iov)
             if self.cfg.fsync:
                 os.fsync(fd)
         except BaseException:

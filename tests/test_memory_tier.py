@@ -1,0 +1,170 @@
+import threading
+
+import numpy as np
+import pytest
+
+from lmkv.config import MemoryConfig
+from lmkv.errors import TierFullError
+from lmkv.page import make_header
+from lmkv.tiers.memory import MemoryTier
+
+from conftest import random_key, random_payload
+
+
+def _tier(pages: int, layout, **kw) -> MemoryTier:
+    return MemoryTier(MemoryConfig(capacity=pages * layout.payload_bytes, slab_size=layout.payload_bytes * 2, **kw))
+
+
+def _page(layout, seed=0):
+    p = random_payload(layout, seed)
+    k = random_key()
+    return k, make_header(k, layout, p), p
+
+
+def test_put_get_roundtrip_and_miss(layout):
+    t = _tier(4, layout)
+    k, h, p = _page(layout)
+    assert t.put([(h, p)], "w0") == [True]
+    out = np.zeros_like(p)
+    assert t.get([k, random_key()], layout, [out, out.copy()]) == [h, None]
+    assert (out == p).all()
+    assert t.stats.hits == 1 and t.stats.misses == 1
+    assert t.contains([k]) == [True]
+
+
+def test_capacity_evicts_and_reports_to_hook(layout):
+    evicted = []
+    t = _tier(4, layout)
+    t.on_evict = lambda items: evicted.extend(h.key for h, _, _ in items)
+    pages = [_page(layout, i) for i in range(6)]
+    for k, h, p in pages:
+        t.put([(h, p)], "w0")
+    assert len(t) == 4 and t.used_bytes == 4 * layout.payload_bytes
+    assert len(evicted) == 2 and t.stats.evictions == 2
+    assert not any(t.contains([k])[0] for k in evicted)
+
+
+def test_pinned_pages_are_not_evicted(layout):
+    t = _tier(2, layout)
+    a, b = _page(layout, 1), _page(layout, 2)
+    t.put([(a[1], a[2]), (b[1], b[2])], "w0")
+    with t.borrow([a[0], b[0]]) as lease:
+        assert (lease.views[0] == a[2]).all()
+        c = _page(layout, 3)
+        assert t.put([(c[1], c[2])], "w0") == [False]  # everything pinned: refuse, never overwrite
+        assert t.stats.full == 1
+    assert t.put([(c[1], c[2])], "w0") == [True]
+
+
+def test_delete_while_borrowed_keeps_bytes_until_release(layout):
+    t = _tier(1, layout)
+    k, h, p = _page(layout)
+    t.put([(h, p)], "w0")
+    lease = t.borrow([k])
+    assert t.delete([k]) == 1
+    other = _page(layout, 9)
+    assert t.put([(other[1], other[2])], "w0") == [False]  # the slot is still being read
+    assert (lease.views[0] == p).all()
+    lease.release()
+    assert t.put([(other[1], other[2])], "w0") == [True]
+
+
+def test_session_commit_and_abort(layout):
+    t = _tier(4, layout)
+    keys = [random_key() for _ in range(2)]
+    p = [random_payload(layout, i) for i in range(2)]
+    with t.open_session(keys, [layout] * 2, "w0") as s:
+        for layer in range(layout.num_layers):
+            for i in range(2):
+                lo, hi = layout.layer_range(layer)
+                s.write(i, lo, p[i][lo:hi])
+        assert t.contains(keys) == [False, False]  # nothing visible before commit
+        assert s.commit() == [True, True]
+    out = np.zeros_like(p[0])
+    assert t.get(keys[1:], layout, [out]) != [None] and (out == p[1]).all()
+    with t.open_session([random_key()], [layout], "w0") as s:
+        s.write(0, 0, p[0][:100])
+        s.abort()
+    assert len(t) == 2 and t.used_bytes == 2 * layout.payload_bytes
+    with pytest.raises(RuntimeError):
+        with t.open_session([random_key()], [layout], "w0"):
+            raise RuntimeError("step failed")
+    assert len(t) == 2 and t.used_bytes == 2 * layout.payload_bytes
+    with pytest.raises(ValueError):
+        with t.open_session([random_key()], [layout], "w0") as s:
+            s.write(0, layout.payload_bytes - 1, b"xx")
+
+
+def test_session_that_cannot_fit_reserves_nothing(layout):
+    t = _tier(2, layout)
+    k, h, p = _page(layout)
+    t.put([(h, p)], "w0")
+    with t.borrow([k]):
+        with pytest.raises(TierFullError):
+            t.open_session([random_key(), random_key()], [layout] * 2, "w0")
+    assert t.used_bytes == layout.payload_bytes
+
+
+def test_domains_scope_clears(layout):
+    t = _tier(4, layout)
+    shared, own = _page(layout, 1), _page(layout, 2)
+    t.put([(shared[1], shared[2]), (own[1], own[2])], "worker0")
+    t.put([(shared[1], shared[2])], "cache-owner")
+    assert sorted(t.owners(shared[0])) == ["cache-owner", "worker0"]
+    assert t.clear("worker0") == 1
+    assert t.contains([shared[0], own[0]]) == [True, False]
+    assert t.owners(shared[0]) == ["cache-owner"]
+
+
+def test_verification_discards_a_corrupt_page(layout):
+    t = _tier(2, layout, verify_checksums=True)
+    k, h, p = _page(layout)
+    t.put([(h, p)], "w0")
+    with t.borrow([k]) as lease:
+        lease.views[0][5] ^= 0xFF  # corrupt the resident bytes
+    out = np.zeros_like(p)
+    assert t.get([k], layout, [out]) == [None]
+    assert t.stats.corrupt == 1 and t.contains([k]) == [False]
+
+
+def test_ranged_read(layout):
+    t = _tier(2, layout, verify_checksums=True)
+    k, h, p = _page(layout)
+    t.put([(h, p)], "w0")
+    out = np.zeros_like(p)
+    rng = layout.layer_range(2)
+    assert t.read_ranges(k, layout, [rng], out) == h
+    assert (out[rng[0]:rng[1]] == p[rng[0]:rng[1]]).all() and not out[: rng[0]].any()
+
+
+def test_two_size_classes_share_the_arena(layout, mamba_layout):
+    t = MemoryTier(MemoryConfig(capacity=4 * layout.payload_bytes, slab_size=layout.payload_bytes))
+    for i in range(4):
+        k, h, p = _page(layout, i)
+        t.put([(h, p)], "w0")
+    k, h, p = _page(mamba_layout, 7)
+    assert t.put([(h, p)], "w0") == [True]  # evicts a whole slab's worth of the other class
+    out = np.zeros_like(p)
+    assert t.get([k], mamba_layout, [out]) == [h] and (out == p).all()
+
+
+def test_concurrent_puts_and_gets(layout):
+    t = _tier(16, layout, verify_checksums=True)
+    pages = [_page(layout, i) for i in range(40)]
+    errors = []
+
+    def worker(chunk):
+        out = np.zeros(layout.payload_bytes, np.uint8)
+        for k, h, p in chunk:
+            t.put([(h, p)], "w0")
+            got = t.get([k], layout, [out])
+            if got[0] is not None and not (out == p).all():
+                errors.append(k)
+
+    threads = [threading.Thread(target=worker, args=(pages[i::4],)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and t.stats.corrupt == 0
+    assert len(t) == 16 and t.used_bytes == 16 * layout.payload_bytes

@@ -1,0 +1,156 @@
+import asyncio
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lmkv.config import load_config
+from lmkv.errors import TierFullError
+from lmkv.keys import KeySpace, chain_hashes, page_keys
+from lmkv.store import TieredStore
+
+from conftest import random_payload
+
+
+def _store(tmp_path, layout, mem_pages=4, **store_cfg) -> TieredStore:
+    cfg = {"memory": {"capacity": mem_pages * layout.payload_bytes, "slab_size": layout.payload_bytes}}
+    if tmp_path is not None:
+        cfg["disk"] = {"path": str(tmp_path / "disk")}
+    if store_cfg:
+        cfg["store"] = store_cfg
+    return TieredStore(load_config(cfg, environ={}))
+
+
+def _prefix_keys(layout, n, salt=0):
+    toks = np.arange(n * layout.tokens_per_page) + salt * 10_000
+    return page_keys(chain_hashes(KeySpace("m").root, toks, layout.tokens_per_page), layout)
+
+
+def test_lookup_is_prefix_ordered_across_tiers(tmp_path, layout):
+    with _store(tmp_path, layout, mem_pages=2) as st:
+        keys = _prefix_keys(layout, 6)
+        payloads = [random_payload(layout, i) for i in range(6)]
+        st.put(keys[:4], [layout] * 4, payloads[:4])  # write-back: 2 in memory, 2 demoted to disk
+        assert sorted(st.lookup(keys[:4]).tiers) == ["disk", "disk", "memory", "memory"]
+        st.put(keys[5:], [layout], payloads[5:])  # page 4 missing: page 5 cannot count
+        assert st.lookup(keys).pages == 4
+        st.delete(keys[:1])
+        assert st.lookup(keys).pages == 0
+
+
+def test_lower_tier_hit_is_promoted(tmp_path, layout):
+    with _store(tmp_path, layout, mem_pages=2) as st:
+        keys = _prefix_keys(layout, 3)
+        payloads = [random_payload(layout, i) for i in range(3)]
+        st.put(keys, [layout] * 3, payloads)
+        assert st.lookup(keys[:1]).tiers == ("disk",)
+        outs = [np.zeros_like(p) for p in payloads]
+        assert all(h is not None for h in st.get(keys, layout, outs))
+        assert all((o == p).all() for o, p in zip(outs, payloads))
+        assert st.memory.contains(keys[:1]) == [True]
+
+
+def test_write_through_reaches_every_tier(tmp_path, layout):
+    with _store(tmp_path, layout, write_policy="write_through") as st:
+        keys = _prefix_keys(layout, 2)
+        st.put(keys, [layout] * 2, [random_payload(layout, i) for i in range(2)])
+        assert st.tiers[1].contains(keys) == [True, True]
+        with st.open_session(_prefix_keys(layout, 1, salt=1), [layout]) as s:
+            s.write(0, 0, random_payload(layout, 5))
+            s.commit()
+        assert len(st.tiers[1]) == 3
+
+
+def test_write_back_keeps_disk_empty_until_eviction(tmp_path, layout):
+    with _store(tmp_path, layout, mem_pages=4) as st:
+        keys = _prefix_keys(layout, 4)
+        st.put(keys, [layout] * 4, [random_payload(layout, i) for i in range(4)])
+        assert len(st.tiers[1]) == 0
+        st.put(_prefix_keys(layout, 1, salt=2), [layout], [random_payload(layout, 9)])
+        assert len(st.tiers[1]) == 1 and st.lookup(keys).pages == 4
+
+
+def test_session_abort_leaves_nothing_anywhere(tmp_path, layout):
+    with _store(tmp_path, layout, write_policy="write_through") as st:
+        keys = _prefix_keys(layout, 2)
+        with pytest.raises(RuntimeError):
+            with st.open_session(keys, [layout] * 2) as s:
+                s.write(0, 0, random_payload(layout))
+                raise RuntimeError("forward failed")
+        assert st.lookup(keys).pages == 0
+        assert st.memory.used_bytes == 0 and len(st.tiers[1]) == 0
+
+
+def test_session_larger_than_memory_is_refused(tmp_path, layout):
+    with _store(tmp_path, layout, mem_pages=2) as st:
+        with pytest.raises(TierFullError):
+            st.open_session(_prefix_keys(layout, 3), [layout] * 3)
+        assert st.memory.used_bytes == 0
+
+
+def test_clear_is_scoped_to_a_domain_in_every_tier(tmp_path, layout):
+    with _store(tmp_path, layout, write_policy="write_through") as st:
+        mine, theirs = _prefix_keys(layout, 2), _prefix_keys(layout, 2, salt=1)
+        st.put(mine, [layout] * 2, [random_payload(layout, i) for i in range(2)])
+        st.put(theirs, [layout] * 2, [random_payload(layout, i) for i in range(2)], domain="shared-owner")
+        st.clear()
+        assert st.lookup(mine).pages == 0 and st.lookup(theirs).pages == 2
+        assert st.tiers[1].contains(theirs) == [True, True]
+
+
+def test_async_api(tmp_path, layout):
+    async def go(st):
+        keys = _prefix_keys(layout, 2)
+        payloads = [random_payload(layout, i) for i in range(2)]
+        assert await st.aput(keys, [layout] * 2, payloads) == [True, True]
+        assert (await st.alookup(keys)).pages == 2
+        outs = [np.zeros_like(p) for p in payloads]
+        await asyncio.gather(*(st.aget([k], layout, [o]) for k, o in zip(keys, outs)))
+        return all((o == p).all() for o, p in zip(outs, payloads))
+
+    with _store(tmp_path, layout) as st:
+        assert asyncio.run(go(st))
+
+
+def test_metrics_count_hits_misses_bytes_and_latency(tmp_path, layout):
+    with _store(tmp_path, layout, mem_pages=1) as st:
+        keys = _prefix_keys(layout, 2)
+        st.put(keys, [layout] * 2, [random_payload(layout, i) for i in range(2)])
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        st.get(keys, layout, outs)
+        m = st.metrics
+        assert m.value("lmkv_hits_total", tier="memory") + m.value("lmkv_hits_total", tier="disk") == 2
+        assert m.value("lmkv_bytes_total", tier="disk", direction="put") >= layout.payload_bytes
+        assert m.value("lmkv_op_seconds_count", op="get") == 1
+        assert m.value("lmkv_pages", tier="disk") >= 1
+        assert b"lmkv_capacity_bytes" in m.exposition()
+        stats = st.stats()
+        assert stats["memory"]["pages"] == 1 and stats["disk"]["capacity_bytes"] > 0
+
+
+def test_memory_only_store(layout):
+    with _store(None, layout) as st:
+        keys = _prefix_keys(layout, 5)
+        st.put(keys, [layout] * 5, [random_payload(layout, i) for i in range(5)])
+        assert len(st.tiers) == 1
+        assert st.lookup(keys).pages == 0  # the oldest page was evicted: no prefix at all
+        assert st.lookup(keys[1:]).pages == 4
+
+
+def test_bench_tiers_quick_json_shape(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "lmkv.cli", "bench", "tiers", "--quick", "--json", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    report = json.loads(out.stdout)
+    assert report["bench"] == "tiers" and report["lmkv_version"]
+    for tier in ("memory", "disk"):
+        for op in ("put", "get"):
+            for size in ("256KiB", "2MiB", "16MiB"):
+                m = report["metrics"][f"{tier}.{op}.{size}"]
+                assert m["unit"] == "GB/s" and m["value"] > 0 and m["baseline"] > 0
+                assert m["ratio"] == pytest.approx(m["value"] / m["baseline"])
+                assert m["baseline_what"]
+    assert not list(tmp_path.iterdir())  # the bench cleans up its files
