@@ -36,6 +36,25 @@ from lmkv.tiers.memory import MemoryTier
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Fetched:
+    """Host views of fetched pages (``None`` = failed); release once copied into the engine."""
+
+    views: list
+    _leases: list
+
+    def release(self) -> None:
+        for lease in self._leases:
+            lease.release()
+        self._leases = []
+
+    def __enter__(self) -> Fetched:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 @dataclass(frozen=True)
 class Lookup:
     """Where each page of the hit prefix lives (the tier name), fastest first."""
@@ -106,6 +125,55 @@ class TieredStore:
                 if h is not None:
                     return h
         return None
+
+    def fetch(self, keys: Sequence[bytes], layout: GroupLayout) -> Fetched:
+        """Host views of pages for an engine load, pinned until released; ``None`` where a page failed.
+
+        Memory hits are lent as they are (zero copy). Pages only a lower tier has are
+        read (and verified) straight into fresh memory slots, which are then published
+        there: the load itself promotes them. When memory has no room, they are read
+        into temporary buffers instead.
+        """
+        with self.metrics.timed("fetch"):
+            lease = self.memory.borrow(keys)
+            views: list = list(lease.views)
+            missing = [i for i, v in enumerate(views) if v is None]
+            if not missing or len(self.tiers) == 1:
+                return Fetched(views, [lease])
+            # Which lower tier has each missing page, asked once per tier before reserving room.
+            source: dict[int, Tier] = {}
+            for tier in self.tiers[1:]:
+                todo = [i for i in missing if i not in source]
+                for i, p in zip(todo, tier.contains([keys[i] for i in todo]) if todo else []):
+                    if p:
+                        source[i] = tier
+            missing = [i for i in missing if i in source]
+            want = [keys[i] for i in missing]
+            try:
+                session = self.memory.open_session(want, [layout] * len(want), self.domain)
+                bufs = [session.buffer(j) for j in range(len(want))]
+            except TierFullError:
+                session = None
+                bufs = [np.empty(layout.payload_bytes, np.uint8) for _ in want]
+            headers: list[PageHeader | None] = [None] * len(want)
+            for tier in {id(t): t for t in source.values()}.values():
+                js = [j for j, i in enumerate(missing) if source[i] is tier]
+                for j, h in zip(js, tier.get([want[j] for j in js], layout, [bufs[j] for j in js])):
+                    headers[j] = h
+            leases = [lease]
+            if session is not None and self.cfg.store.promote_on_hit:
+                session.commit(headers)
+                promoted = self.memory.borrow(want)
+                leases.append(promoted)
+                for i, j in zip(missing, range(len(want))):
+                    views[i] = promoted.views[j] if headers[j] is not None else None
+            else:
+                if session is not None:
+                    session.abort()
+                    bufs = [np.array(b) if h is not None else None for b, h in zip(bufs, headers)]
+                for i, (b, h) in zip(missing, zip(bufs, headers)):
+                    views[i] = b if h is not None else None
+            return Fetched(views, leases)
 
     def _promote(self, pages: list[tuple[PageHeader, object]]) -> None:
         if pages:
@@ -214,6 +282,7 @@ class StoreSession:
         self._inner: WriteSession = store.memory.open_session(keys, layouts, domain)
         self.keys = self._inner.keys
         self.layouts = self._inner.layouts
+        self.written_through: Future | None = None
 
     def buffer(self, i: int):
         return self._inner.buffer(i)
@@ -222,14 +291,22 @@ class StoreSession:
         self._inner.write(i, offset, data)
 
     def commit(self) -> list[bool]:
+        """Publish in memory now; under write-through, the copies down run on the I/O threads."""
         results = self._inner.commit()
         store = self._store
         if store.cfg.store.write_policy == "write_through" and len(store.tiers) > 1:
-            with store.memory.borrow(self.keys) as lease:
-                pages = [(h, v) for h, v in zip(lease.headers, lease.views) if h is not None]
-                for tier in store.tiers[1:]:
-                    tier.put(pages, self._domain)
+            lease = store.memory.borrow(self.keys)
+            self.written_through = store.submit(self._write_through, lease)
         return results
+
+    def _write_through(self, lease) -> None:
+        with lease:
+            pages = [(h, v) for h, v in zip(lease.headers, lease.views) if h is not None]
+            for tier in self._store.tiers[1:]:
+                try:
+                    tier.put(pages, self._domain)
+                except Exception:  # a failing lower tier must not lose the memory copy
+                    log.exception("write-through to %s failed", tier.name)
 
     def abort(self) -> None:
         self._inner.abort()

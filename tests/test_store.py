@@ -60,6 +60,7 @@ def test_write_through_reaches_every_tier(tmp_path, layout):
         with st.open_session(_prefix_keys(layout, 1, salt=1), [layout]) as s:
             s.write(0, 0, random_payload(layout, 5))
             s.commit()
+        s.written_through.result(timeout=30)
         assert len(st.tiers[1]) == 3
 
 
@@ -154,3 +155,28 @@ def test_bench_tiers_quick_json_shape(tmp_path):
                 assert m["ratio"] == pytest.approx(m["value"] / m["baseline"])
                 assert m["baseline_what"]
     assert not list(tmp_path.iterdir())  # the bench cleans up its files
+
+
+def test_fetch_lends_memory_pages_and_promotes_lower_tier_hits(tmp_path, layout):
+    with _store(tmp_path, layout, mem_pages=2) as st:
+        keys = _prefix_keys(layout, 4)
+        payloads = [random_payload(layout, i) for i in range(4)]
+        st.put(keys, [layout] * 4, payloads)  # pages 0, 1 demoted to disk
+        with st.fetch(keys[:2] + [bytes(16)], layout) as f:
+            assert f.views[2] is None
+            assert all((v == p).all() for v, p in zip(f.views[:2], payloads[:2]))
+        assert st.memory.contains(keys[:2]) == [True, True]
+        assert st.tiers[1].stats.hits == 2
+
+
+def test_fetch_reports_a_corrupt_lower_tier_page_as_failed(tmp_path, layout):
+    with _store(tmp_path, layout, mem_pages=1) as st:
+        keys = _prefix_keys(layout, 2)
+        st.put(keys, [layout] * 2, [random_payload(layout, i) for i in range(2)])
+        (f,) = list((tmp_path / "disk").rglob(keys[0].hex() + ".page"))
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+        with st.fetch(keys, layout) as got:
+            assert got.views[0] is None and got.views[1] is not None
+        assert st.tiers[1].stats.corrupt == 1 and st.lookup(keys).pages == 0

@@ -70,8 +70,13 @@ class WriteSession(ABC):
         return [make_header(k, lay, self.buffer(i)) for i, (k, lay) in enumerate(zip(self.keys, self.layouts))]
 
     @abstractmethod
-    def commit(self) -> list[bool]:
-        """Publish every page at once; per page, whether it was stored."""
+    def commit(self, headers: Sequence[PageHeader | None] | None = None) -> list[bool]:
+        """Publish every page at once; per page, whether it was stored.
+
+        ``headers`` skips the checksum pass for pages whose header is known (a page
+        read from another tier, already verified); a ``None`` entry drops that page
+        (it failed to fill) and stores only the others.
+        """
 
     @abstractmethod
     def abort(self) -> None:

@@ -470,12 +470,15 @@ class DiskSession(WriteSession):
     def buffer(self, i: int) -> memoryview:
         return memoryview(self._bufs[i])[: self.layouts[i].payload_bytes]
 
-    def commit(self) -> list[bool]:
+    def commit(self, headers: Sequence[PageHeader | None] | None = None) -> list[bool]:
         tier = self._tier
         tmps: list[Path | None] = []
-        headers = self.headers()
+        headers = self.headers() if headers is None else headers
         try:
             for h, buf in zip(headers, self._bufs):
+                if h is None:
+                    tmps.append(None)
+                    continue
                 try:
                     tmps.append(tier._write_tmp(h, memoryview(buf)))
                 except OSError as err:

@@ -316,12 +316,18 @@ class MemorySession(WriteSession):
     def buffer(self, i: int) -> np.ndarray:
         return self._tier._arena.view(self._offsets[i], self.layouts[i].payload_bytes)
 
-    def commit(self) -> list[bool]:
-        headers = self.headers()
+    def commit(self, headers: Sequence[PageHeader | None] | None = None) -> list[bool]:
+        headers = self.headers() if headers is None else headers
         tier = self._tier
         with tier._lock:
             bit = tier._domains.bit(self._domain)
-            results = [tier._insert(h, off, bit) for h, off in zip(headers, self._offsets)]
+            results = []
+            for h, off, lay in zip(headers, self._offsets, self.layouts):
+                if h is None:
+                    tier._release_slot(off, lay.payload_bytes)
+                    results.append(False)
+                else:
+                    results.append(tier._insert(h, off, bit))
         self._offsets = []
         self.closed = True
         return results
