@@ -96,6 +96,17 @@ class TieredStore:
             n = next((i for i, w in enumerate(where) if w is None), len(keys))
             return Lookup(tuple(where[:n]))  # type: ignore[arg-type]
 
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether any tier holds it (not prefix-ordered)."""
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, f in enumerate(found) if not f]
+            if not todo:
+                break
+            for i, p in zip(todo, tier.contains([keys[i] for i in todo])):
+                found[i] = p
+        return found
+
     # -- reads -------------------------------------------------------------
 
     def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:

@@ -376,7 +376,35 @@ class DiskTier(Tier):
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [k in self._index for k in keys]
+            found = [k in self._index for k in keys]
+        if not all(found):  # another process sharing the directory may have written them
+            try:
+                domains = [d.name for d in self._data.iterdir()]
+            except OSError:
+                domains = []
+            for i, k in enumerate(keys):
+                if not found[i]:
+                    found[i] = self._adopt(k, domains)
+        return found
+
+    def _adopt(self, key: bytes, domains: list[str]) -> bool:
+        """Index a page another process wrote into the shared directory since we last looked."""
+        for domain in domains:
+            path = self._path(key, domain)
+            try:
+                size = path.stat().st_size
+                check_domain(domain)
+            except (OSError, ValueError):
+                continue
+            with self._lock:
+                e = self._index.get(key)
+                if e is None:
+                    e = self._index[key] = _Entry(size, 0)
+                    self._policy.insert(key)
+                    self._used += size
+                e.domains |= self._domains.bit(domain)
+        with self._lock:
+            return key in self._index
 
     def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         return [self._read_page(k, layout, out, None) for k, out in zip(keys, outs)]

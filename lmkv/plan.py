@@ -1,0 +1,31 @@
+"""What the scheduler side tells the workers each step: which pages to load and store.
+
+Plain dataclasses: they travel inside the engine's per-step metadata (pickled
+across processes), so they hold only chain hashes and block ids. Each worker
+turns a chain hash into its own page key (a sharded group's key carries the
+worker's shard, see :mod:`lmkv.keys`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PageOp:
+    """Pages of one request and one cache group, each mapped to the engine block that holds it."""
+
+    req_id: str
+    group: int
+    chains: list[bytes]
+    block_ids: list[int]
+    first_page: int = 0  # index of chains[0] within the request
+
+
+@dataclass
+class StepPlan:
+    loads: list[PageOp] = field(default_factory=list)
+    stores: list[PageOp] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores)

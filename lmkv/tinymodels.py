@@ -1,0 +1,51 @@
+"""Small models generated locally (random weights, a config we choose; nothing downloaded).
+
+The demo, the tests and the benchmarks run vLLM's CPU engine on these. Weights
+come from a fixed seed, so two engines (or two runs) loading the same
+directory compute the same tokens. A directory is reused when its config
+matches, so a model is generated once per machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+LLAMA_TINY: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+    num_hidden_layers=4, vocab_size=1024,
+)
+#: prefill takes seconds per few thousand tokens on a 2-core CPU: what the benchmarks use
+LLAMA_BENCH: dict[str, Any] = dict(
+    hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
+    num_hidden_layers=8, vocab_size=2048,
+)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("LMKV_MODEL_DIR", Path.home() / ".cache" / "lmkv" / "models"))
+
+
+def make_llama(name: str = "llama-tiny", root: Path | None = None, seed: int = 0, max_len: int = 16384, **shape: Any) -> Path:
+    """A Llama checkpoint (safetensors, bfloat16) under ``root/name``; returns its directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = {**LLAMA_TINY, **shape}
+    config = LlamaConfig(
+        **spec, max_position_embeddings=max_len, rms_norm_eps=1e-5, rope_theta=10000.0,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16",
+    )
+    out = (root or default_cache_dir()) / name
+    stamp = out / "lmkv-model.json"
+    want = {"spec": spec, "seed": seed, "max_len": max_len}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return out
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps(want))
+    return out

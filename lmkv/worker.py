@@ -1,0 +1,226 @@
+"""Worker-side data path, engine-agnostic: execute a step's plan layer by layer.
+
+For each step the engine adapter calls, in order:
+
+- :meth:`LayerwiseTransfer.begin` with the step's plan: a write session reserves
+  host pages for every page to store (nothing visible until commit);
+- :meth:`LayerwiseTransfer.start_loads`: fetches of the pages to load start on
+  the store's I/O threads (memory hits are lent zero-copy, lower tiers read);
+- :meth:`LayerwiseTransfer.before_layer` before attention layer ``l`` runs: wait
+  for the fetches, scatter only layer ``l``'s range of each page into its block;
+- :meth:`LayerwiseTransfer.after_layer` after layer ``l`` computed: gather layer
+  ``l`` of every block to store into its page's range;
+- :meth:`LayerwiseTransfer.end` after the forward: layers whose hooks did not
+  run are handled, the session commits atomically, fetched pages are released.
+
+A page that cannot be fetched (missing, corrupt, short, tier down) marks its
+blocks as load errors; the engine recomputes exactly those tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from lmkv.blockcopy import as_uint8_tensor, block_nbytes, gather_layer, scatter_layer
+from lmkv.errors import TierFullError
+from lmkv.keys import page_key
+from lmkv.layout import GroupLayout
+from lmkv.plan import PageOp, StepPlan
+from lmkv.store import Fetched, StoreSession, TieredStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    loaded_pages: int = 0
+    loaded_bytes: int = 0
+    failed_pages: int = 0
+    stored_pages: int = 0
+    stored_bytes: int = 0
+    dropped_pages: int = 0  # stores skipped because memory had no room
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last call (for per-step engine stats)."""
+        out = dict(vars(self))
+        for k in out:
+            setattr(self, k, 0)
+        return out
+
+
+@dataclass
+class _GroupLoad:
+    block_ids: list[int]
+    future: Future
+    fetched: Fetched | None = None
+    ok: list[bool] = field(default_factory=list)
+    pages: list[torch.Tensor] = field(default_factory=list)
+    done_layers: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _GroupStore:
+    block_ids: list[int]
+    pages: list[torch.Tensor]
+    done_layers: set[int] = field(default_factory=set)
+
+
+class LayerwiseTransfer:
+    def __init__(
+        self,
+        store: TieredStore,
+        groups: Sequence[GroupLayout],
+        tensors: Sequence[Sequence[torch.Tensor]],
+        layer_names: Mapping[str, tuple[int, int]],
+    ) -> None:
+        """``tensors[g][l]`` is layer ``l`` of group ``g``; ``layer_names`` maps the engine's names to (g, l)."""
+        self.store = store
+        self.groups = list(groups)
+        self.tensors = [list(t) for t in tensors]
+        self.layer_names = dict(layer_names)
+        for g, (layout, layers) in enumerate(zip(self.groups, self.tensors)):
+            if len(layers) != layout.num_layers:
+                raise ValueError(f"group {layout.name!r}: {len(layers)} tensors for {layout.num_layers} layers")
+            for t in layers:
+                if block_nbytes(t) != layout.layer_stride:
+                    raise ValueError(
+                        f"group {layout.name!r}: an engine block holds {block_nbytes(t)} bytes per layer, "
+                        f"the page layout expects {layout.layer_stride}"
+                    )
+        self.stats = WorkerStats()
+        self._loads: dict[int, _GroupLoad] = {}
+        self._stores: dict[int, _GroupStore] = {}
+        self._session: StoreSession | None = None
+        self._errors: set[int] = set()
+        self._plan = StepPlan()
+
+    def keys(self, op: PageOp) -> list[bytes]:
+        """This rank's page keys (a sharded group's keys carry the rank's shard)."""
+        layout = self.groups[op.group]
+        return [page_key(c, layout) for c in op.chains]
+
+    # -- step ----------------------------------------------------------------
+
+    def begin(self, plan: StepPlan) -> None:
+        self._abort_leftovers()
+        self._plan = plan
+        by_group: dict[int, tuple[list[bytes], list[int]]] = {}
+        for op in plan.stores:
+            keys, blocks = by_group.setdefault(op.group, ([], []))
+            keys.extend(self.keys(op))
+            blocks.extend(op.block_ids)
+        if not by_group:
+            return
+        order = sorted(by_group)
+        all_keys = [k for g in order for k in by_group[g][0]]
+        layouts = [self.groups[g] for g in order for _ in by_group[g][0]]
+        try:
+            self._session = self.store.open_session(all_keys, layouts)
+        except TierFullError:
+            self.stats.dropped_pages += len(all_keys)
+            log.warning("lmkv: no room in memory for %d pages; not storing them this step", len(all_keys))
+            return
+        i = 0
+        for g in order:
+            keys, blocks = by_group[g]
+            pages = [as_uint8_tensor(self._session.buffer(i + j)) for j in range(len(keys))]
+            self._stores[g] = _GroupStore(blocks, pages)
+            i += len(keys)
+
+    def start_loads(self) -> None:
+        by_group: dict[int, tuple[list[bytes], list[int]]] = {}
+        for op in self._plan.loads:
+            keys, blocks = by_group.setdefault(op.group, ([], []))
+            keys.extend(self.keys(op))
+            blocks.extend(op.block_ids)
+        for g, (keys, blocks) in by_group.items():
+            if g not in self._loads:
+                self._loads[g] = _GroupLoad(blocks, self.store.submit(self.store.fetch, keys, self.groups[g]))
+
+    def _ready(self, g: int) -> _GroupLoad | None:
+        load = self._loads.get(g)
+        if load is None or load.fetched is not None:
+            return load
+        try:
+            load.fetched = load.future.result()
+        except Exception:  # a failing tier must cost a recompute, never the engine
+            log.exception("lmkv: fetch failed; recomputing")
+            load.fetched = Fetched([None] * len(load.block_ids), [])
+        views = load.fetched.views
+        load.ok = [v is not None for v in views]
+        load.pages = [as_uint8_tensor(v) for v in views if v is not None]
+        failed = [b for b, ok in zip(load.block_ids, load.ok) if not ok]
+        self._errors.update(failed)
+        self.stats.failed_pages += len(failed)
+        self.stats.loaded_pages += len(load.pages)
+        self.stats.loaded_bytes += len(load.pages) * self.groups[g].payload_bytes
+        return load
+
+    def _scatter(self, g: int, layer: int) -> None:
+        load = self._ready(g)
+        if load is None or layer in load.done_layers:
+            return
+        blocks = [b for b, ok in zip(load.block_ids, load.ok) if ok]
+        scatter_layer(self.tensors[g][layer], blocks, load.pages, self.groups[g].layer_range(layer)[0])
+        load.done_layers.add(layer)
+
+    def _gather(self, g: int, layer: int) -> None:
+        st = self._stores.get(g)
+        if st is None or layer in st.done_layers:
+            return
+        gather_layer(self.tensors[g][layer], st.block_ids, st.pages, self.groups[g].layer_range(layer)[0])
+        st.done_layers.add(layer)
+
+    def before_layer(self, name: str) -> None:
+        where = self.layer_names.get(name)
+        if where is not None and self._loads:
+            self._scatter(*where)
+
+    def after_layer(self, name: str) -> None:
+        where = self.layer_names.get(name)
+        if where is not None and self._stores:
+            self._gather(*where)
+
+    def end(self) -> None:
+        """After the forward: finish every layer, commit the stores, release the fetched pages."""
+        for g, load in self._loads.items():
+            missed = set(range(self.groups[g].num_layers)) - load.done_layers
+            if missed and self._ready(g) is not None:
+                # The forward ran without these layers loaded: its tokens must be recomputed.
+                self._errors.update(b for b, ok in zip(load.block_ids, load.ok) if ok)
+                for layer in sorted(missed):
+                    self._scatter(g, layer)
+            if load.fetched is not None:
+                load.fetched.release()
+        self._loads = {}
+        if self._session is not None:
+            for g in self._stores:
+                for layer in range(self.groups[g].num_layers):
+                    self._gather(g, layer)
+            results = self._session.commit()
+            n = sum(results)
+            self.stats.stored_pages += n
+            self.stats.stored_bytes += sum(
+                lay.payload_bytes for lay, ok in zip(self._session.layouts, results) if ok
+            )
+            self._session = None
+        self._stores = {}
+
+    def take_errors(self) -> set[int]:
+        out, self._errors = self._errors, set()
+        return out
+
+    def _abort_leftovers(self) -> None:
+        """A step that never reached :meth:`end` (an engine error) leaves nothing behind."""
+        if self._session is not None:
+            self._session.abort()
+            self._session = None
+        for load in self._loads.values():
+            fetched = load.fetched if load.fetched is not None else load.future.result()
+            fetched.release()
+        self._loads, self._stores = {}, {}
