@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -31,7 +32,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from lmkv.config import load_config
 from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
 from lmkv.plan import StepPlan
-from lmkv.runtime import acquire_store, release_store
+from lmkv.residency import ResidencyDelta, ResidencyLog, ResidencyMirror
+from lmkv.runtime import acquire_store, find_store, live_stores, release_store
+from lmkv.tiers.disk import DiskView
 from lmkv.scheduler import OffloadScheduler, Scheduled
 from lmkv.sequence import Span
 from lmkv.worker import LayerwiseTransfer
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("lmkv.vllm")
@@ -50,6 +54,18 @@ log = logging.getLogger("lmkv.vllm")
 @dataclass
 class LMKVConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class LMKVWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers' memory tiers gained and lost this step (for the scheduler's mirror)."""
+
+    delta: ResidencyDelta = field(default_factory=ResidencyDelta)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, LMKVWorkerMeta):
+            return LMKVWorkerMeta(self.delta.merge(other.delta))
+        return self
 
 
 @dataclass
@@ -112,13 +128,21 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise NotImplementedError(f"lmkv: cache groups with different block sizes {sorted(sizes)}")
         self.tokens_per_page = sizes.pop() if sizes else vllm_config.cache_config.block_size
         self._scope = f"{self._kv_transfer_config.engine_id}/tp{tp_rank}"
-        self.store = acquire_store(self._scope, self.cfg)
         self._requests: dict[str, Request] = {}
         self.scheduler: OffloadScheduler | None = None
         self.worker: LayerwiseTransfer | None = None
+        self.mirror: ResidencyMirror | None = None
+        self._owned_scope: str | None = None
         if role is KVConnectorRole.SCHEDULER:
+            # Workers are built before the scheduler: if one lives in this process, share its store;
+            # otherwise mirror the workers' memory from their step reports and see shared tiers directly.
+            store = find_store(self._scope)
+            if store is None:
+                self.mirror = ResidencyMirror([DiskView(self.cfg.disk.path)] if self.cfg.disk.path else [])
+            else:
+                self._owned_scope = self._scope
             self.scheduler = OffloadScheduler(
-                self.store, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace
+                store or self.mirror, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace
             )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning(
@@ -179,6 +203,11 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker side -------------------------------------------------------------
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self.mirror is not None and isinstance(meta, LMKVWorkerMeta):
+            self.mirror.apply(meta.delta)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layer_names: dict[str, tuple[int, int]] = {}
         tensors: list[list[torch.Tensor]] = []
@@ -186,7 +215,10 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             names = self._kv_cache_config.kv_cache_groups[g].layer_names
             tensors.append([kv_caches[n] for n in names])
             layer_names.update({n: (i, l) for l, n in enumerate(names)})
-        self.worker = LayerwiseTransfer(self.store, self.groups, tensors, layer_names)
+        store = acquire_store(self._scope, self.cfg)
+        self._owned_scope = self._scope
+        self._residency_log = store.memory.listener = ResidencyLog()
+        self.worker = LayerwiseTransfer(store, self.groups, tensors, layer_names)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -212,6 +244,12 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.worker is None:
+            return None
+        delta = self._residency_log.drain()
+        return LMKVWorkerMeta(delta) if delta else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.worker is None:
             return None
@@ -229,4 +267,27 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.end()
-        release_store(self._scope)
+        scope, self._owned_scope = self._owned_scope, None
+        if scope is not None:
+            release_store(scope)
+
+
+class LMKVWorkerExtension:
+    """Pass as ``LLM(worker_extension_cls="lmkv.connectors.vllm.LMKVWorkerExtension")`` to read
+    lmkv's statistics from the engine's worker processes with ``llm.collective_rpc("lmkv_stats")``,
+    in the engine's multiprocess mode as well as in-process."""
+
+    def lmkv_stats(self) -> dict[str, Any]:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        out: dict[str, Any] = {"tiers": {}, "transfers": {}}
+        for store in live_stores().values():
+            for tier, counts in store.stats().items():
+                agg = out["tiers"].setdefault(tier, {})
+                for k, v in counts.items():
+                    agg[k] = agg.get(k, 0) + v
+        if has_kv_transfer_group():
+            conn = get_kv_transfer_group()
+            if isinstance(conn, LMKVConnector) and conn.worker is not None:
+                out["transfers"] = dict(vars(conn.worker.stats.totals))
+        return out

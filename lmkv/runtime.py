@@ -29,6 +29,17 @@ def acquire_store(scope: str, cfg: LMKVConfig) -> TieredStore:
         return store
 
 
+def find_store(scope: str) -> TieredStore | None:
+    """The store a worker of this process opened for ``scope``, taking a reference; None if none."""
+    with _lock:
+        entry = _stores.get(scope)
+        if entry is None:
+            return None
+        store, refs = entry
+        _stores[scope] = (store, refs + 1)
+        return store
+
+
 def release_store(scope: str) -> None:
     with _lock:
         entry = _stores.get(scope)

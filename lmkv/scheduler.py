@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from lmkv.keys import KeySpace
 from lmkv.layout import GroupLayout
 from lmkv.plan import PageOp, StepPlan
 from lmkv.sequence import SequenceKeys, Span
-from lmkv.store import TieredStore
+from lmkv.store import Lookup
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,19 @@ class Scheduled:
     tokens: Sequence[int]  # all token ids known so far
 
 
+class Residency(Protocol):
+    """What the scheduler asks about residency: a :class:`~lmkv.store.TieredStore` or a
+    :class:`~lmkv.residency.ResidencyMirror` of workers in other processes."""
+
+    def lookup(self, keys: Sequence[bytes]) -> Lookup: ...
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+
 class OffloadScheduler:
     def __init__(
         self,
-        store: TieredStore,
+        store: Residency,
         groups: Sequence[GroupLayout],
         tokens_per_page: int,
         model_id: str,

@@ -268,8 +268,32 @@ class TieredStore:
             out[t.name] = d
         return out
 
+    def flush(self) -> int:
+        """Write-back: copy every memory page the next tier lacks down to it; returns pages written."""
+        if len(self.tiers) < 2:
+            return 0
+        nxt = self.tiers[1]
+        keys = self.memory.keys()
+        todo = [k for k, present in zip(keys, nxt.contains(keys)) if not present]
+        written = 0
+        for i in range(0, len(todo), 64):
+            with self.memory.borrow(todo[i : i + 64]) as lease:
+                for h, v, owners in zip(lease.headers, lease.views, lease.owners):
+                    if h is not None:
+                        for domain in owners or [self.domain]:
+                            written += nxt.put([(h, v)], domain)[0]
+        return written
+
     def close(self) -> None:
+        """Finish background writes; under write-back, flush memory down first so nothing is lost."""
         self._pool.shutdown(wait=True)
+        if self.cfg.store.write_policy == "write_back":
+            try:
+                n = self.flush()
+                if n:
+                    log.info("lmkv: flushed %d pages from memory to %s on close", n, self.tiers[1].name)
+            except Exception:
+                log.exception("lmkv: flushing memory on close failed")
         for t in self.tiers:
             t.close()
 

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class WorkerStats:
+class TransferCounts:
     loaded_pages: int = 0
     loaded_bytes: int = 0
     failed_pages: int = 0
@@ -45,11 +45,22 @@ class WorkerStats:
     stored_bytes: int = 0
     dropped_pages: int = 0  # stores skipped because memory had no room
 
+
+class WorkerStats:
+    """Transfer counts since start (``totals``) and since the engine last asked (:meth:`take`)."""
+
+    def __init__(self) -> None:
+        self.totals = TransferCounts()
+        self._recent = TransferCounts()
+
+    def add(self, **counts: int) -> None:
+        for k, v in counts.items():
+            setattr(self.totals, k, getattr(self.totals, k) + v)
+            setattr(self._recent, k, getattr(self._recent, k) + v)
+
     def take(self) -> dict[str, int]:
-        """The counts since the last call (for per-step engine stats)."""
-        out = dict(vars(self))
-        for k in out:
-            setattr(self, k, 0)
+        out = dict(vars(self._recent))
+        self._recent = TransferCounts()
         return out
 
 
@@ -122,7 +133,7 @@ class LayerwiseTransfer:
         try:
             self._session = self.store.open_session(all_keys, layouts)
         except TierFullError:
-            self.stats.dropped_pages += len(all_keys)
+            self.stats.add(dropped_pages=len(all_keys))
             log.warning("lmkv: no room in memory for %d pages; not storing them this step", len(all_keys))
             return
         i = 0
@@ -156,9 +167,11 @@ class LayerwiseTransfer:
         load.pages = [as_uint8_tensor(v) for v in views if v is not None]
         failed = [b for b, ok in zip(load.block_ids, load.ok) if not ok]
         self._errors.update(failed)
-        self.stats.failed_pages += len(failed)
-        self.stats.loaded_pages += len(load.pages)
-        self.stats.loaded_bytes += len(load.pages) * self.groups[g].payload_bytes
+        self.stats.add(
+            failed_pages=len(failed),
+            loaded_pages=len(load.pages),
+            loaded_bytes=len(load.pages) * self.groups[g].payload_bytes,
+        )
         return load
 
     def _scatter(self, g: int, layer: int) -> None:
@@ -203,10 +216,9 @@ class LayerwiseTransfer:
                 for layer in range(self.groups[g].num_layers):
                     self._gather(g, layer)
             results = self._session.commit()
-            n = sum(results)
-            self.stats.stored_pages += n
-            self.stats.stored_bytes += sum(
-                lay.payload_bytes for lay, ok in zip(self._session.layouts, results) if ok
+            self.stats.add(
+                stored_pages=sum(results),
+                stored_bytes=sum(lay.payload_bytes for lay, ok in zip(self._session.layouts, results) if ok),
             )
             self._session = None
         self._stores = {}

@@ -180,3 +180,18 @@ def test_fetch_reports_a_corrupt_lower_tier_page_as_failed(tmp_path, layout):
         with st.fetch(keys, layout) as got:
             assert got.views[0] is None and got.views[1] is not None
         assert st.tiers[1].stats.corrupt == 1 and st.lookup(keys).pages == 0
+
+
+def test_write_back_flushes_memory_to_disk_on_close(tmp_path, layout):
+    keys = _prefix_keys(layout, 3)
+    payloads = [random_payload(layout, i) for i in range(3)]
+    with _store(tmp_path, layout, mem_pages=8) as st:
+        st.put(keys, [layout] * 3, payloads)
+        st.put(keys[:1], [layout], payloads[:1], domain="other")
+        assert len(st.tiers[1]) == 0
+    with _store(tmp_path, layout, mem_pages=8) as again:
+        assert again.lookup(keys).tiers == ("disk", "disk", "disk")
+        assert sorted(again.tiers[1].owners(keys[0])) == ["engine", "other"]
+        outs = [np.zeros_like(p) for p in payloads]
+        assert all(h is not None for h in again.get(keys, layout, outs))
+        assert all((o == p).all() for o, p in zip(outs, payloads))

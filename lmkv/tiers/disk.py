@@ -6,7 +6,7 @@ reads and writes the same files.
 
 Layout of the directory::
 
-    tmp/                          pages being written (removed at start-up)
+    tmp/<key>.<pid>.<nonce>       pages being written (a dead writer's are removed at start-up)
     d/<domain>/<k0k1>/<key>.page  one hard link per owning residency domain
 
 A page is written to ``tmp/``, flushed (``fsync``), and only then linked into
@@ -56,6 +56,44 @@ log = logging.getLogger(__name__)
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 SUFFIX = ".page"
+
+
+def page_path(data_dir: Path, key: bytes, domain: str) -> Path:
+    h = key_hex(key)
+    return data_dir / domain / h[:2] / (h + SUFFIX)
+
+
+def _domains_in(data_dir: Path) -> list[str]:
+    try:
+        return [d.name for d in data_dir.iterdir()]
+    except OSError:
+        return []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class DiskView:
+    """A disk tier directory seen from a process that does not own it (e.g. an engine's scheduler).
+
+    The files are the truth: a page exists when its file does. Nothing is cached,
+    so pages other processes write or evict are seen at once.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], name: str = "disk") -> None:
+        self.name = name
+        self._data = Path(path) / "d"
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        domains = _domains_in(self._data)
+        return [any(page_path(self._data, k, d).exists() for d in domains) for k in keys]
 
 
 def probe_direct_io(directory: Path) -> bool:
@@ -139,13 +177,15 @@ class DiskTier(Tier):
     # -- files -------------------------------------------------------------
 
     def _path(self, key: bytes, domain: str) -> Path:
-        h = key_hex(key)
-        return self._data / domain / h[:2] / (h + SUFFIX)
+        return page_path(self._data, key, domain)
 
     def _rebuild(self) -> None:
         """Index the files that are there; remove temp files of writers that died."""
-        for stale in self._tmp.iterdir():
-            stale.unlink(missing_ok=True)
+        for tmp in self._tmp.iterdir():
+            parts = tmp.name.split(".")
+            writer = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+            if writer is None or writer == os.getpid() or not _pid_alive(writer):
+                tmp.unlink(missing_ok=True)
         found: list[tuple[float, bytes, str, int]] = []
         for dom_dir in sorted(p for p in self._data.iterdir() if p.is_dir()):
             try:
@@ -293,7 +333,7 @@ class DiskTier(Tier):
         src = as_bytes_view(payload)
         hdr_bytes = header.disk_header_bytes
         plen = header.payload_len
-        tmp = self._tmp / f"{key_hex(header.key)}.{uuid.uuid4().hex}"
+        tmp = self._tmp / f"{key_hex(header.key)}.{os.getpid()}.{uuid.uuid4().hex}"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self.direct else 0), 0o644)
         try:
             packed = header.pack()
@@ -378,10 +418,7 @@ class DiskTier(Tier):
         with self._lock:
             found = [k in self._index for k in keys]
         if not all(found):  # another process sharing the directory may have written them
-            try:
-                domains = [d.name for d in self._data.iterdir()]
-            except OSError:
-                domains = []
+            domains = _domains_in(self._data)
             for i, k in enumerate(keys):
                 if not found[i]:
                     found[i] = self._adopt(k, domains)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +28,9 @@ from lmkv.policy import EvictionPolicy, make_policy
 from lmkv.tiers.base import Range, Tier, WriteSession
 
 #: called with (header, payload view, owning domains) of each evicted page, before its slot is reused
+if TYPE_CHECKING:
+    from lmkv.residency import ResidencyLog
+
 EvictHook = Callable[[list[tuple[PageHeader, np.ndarray, list[str]]]], None]
 
 
@@ -47,6 +51,7 @@ class Lease:
         self._entries = entries
         self.headers = [e.header if e else None for e in entries]
         self.views = [tier._view(e) if e else None for e in entries]
+        self.owners = [tier._domains.names(e.domains) if e else [] for e in entries]
 
     def release(self) -> None:
         if self._entries:
@@ -66,6 +71,8 @@ class MemoryTier(Tier):
         self.cfg = cfg
         self.verifies = cfg.verify_checksums
         self.on_evict = on_evict
+        #: told of every key published or removed (see :mod:`lmkv.residency`)
+        self.listener: ResidencyLog | None = None
         self._arena = HostArena(int(cfg.capacity), cfg.pin, cfg.prefault)
         self._alloc = SlabAllocator(int(cfg.capacity), int(cfg.slab_size))
         self._policies: dict[int, EvictionPolicy] = {}
@@ -100,6 +107,8 @@ class MemoryTier(Tier):
             if key is not None:
                 e = self._index.pop(key)
                 self.stats.evictions += 1
+                if self.listener is not None:
+                    self.listener.removed(key)
                 return e
         return None
 
@@ -156,6 +165,8 @@ class MemoryTier(Tier):
             return True
         self._index[header.key] = _Entry(offset, header, bit)
         self._policy(header.payload_len).insert(header.key)
+        if self.listener is not None:
+            self.listener.added(header.key)
         self.stats.puts += 1
         self.stats.put_bytes += header.payload_len
         return True
@@ -163,6 +174,8 @@ class MemoryTier(Tier):
     def _drop(self, e: _Entry) -> None:
         """Under the lock: forget a page already removed from the index."""
         self._policy(e.header.payload_len).remove(e.header.key)
+        if self.listener is not None:
+            self.listener.removed(e.header.key)
         if e.pins:
             e.deleted = True
         else:
@@ -276,6 +289,10 @@ class MemoryTier(Tier):
             for k in doomed:
                 self._drop(self._index.pop(k))
             return len(doomed)
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._index)
 
     def owners(self, key: bytes) -> list[str]:
         with self._lock:
