@@ -48,10 +48,8 @@ class RequestState:
 
 @dataclass
 class SchedulerStats:
-    lookups: int = 0
-    lookup_tokens: int = 0  # tokens asked about (beyond the engine's own hit)
-    hit_tokens: int = 0  # tokens offered from lmkv
-    loaded_tokens: int = 0  # tokens planned for loading
+    lookups: int = 0  # a waiting request is looked up again every step it waits
+    loaded_tokens: int = 0  # tokens planned for loading (tier hits the engine took)
     stored_pages: int = 0  # pages planned for storing
     skipped_resident: int = 0  # pages not stored because a tier already had them
 
@@ -117,8 +115,6 @@ class OffloadScheduler:
             hit = min(hit, self.store.lookup(st.seq.keys(layout, local, local + hit)).pages)
         st.hit_pages = hit
         self.stats.lookups += 1
-        self.stats.lookup_tokens += (max_pages - local) * self.tpp
-        self.stats.hit_tokens += hit * self.tpp
         return hit * self.tpp
 
     def allocated(self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:

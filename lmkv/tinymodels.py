@@ -2,7 +2,11 @@
 
 The demo, the tests and the benchmarks run vLLM's CPU engine on these. Weights
 come from a fixed seed, so two engines (or two runs) loading the same
-directory compute the same tokens. A directory is reused when its config
+directory compute the same tokens. They are drawn wider than a trained model's
+initialisation (std 0.3, not 0.02) so that logits are well separated: vLLM's
+CPU kernels round differently for different batch shapes, and near-tied logits
+would let that flip an argmax, while with separated ones identical tokens are a
+strict check that the right KV bytes were restored. A directory is reused when its config
 matches, so a model is generated once per machine.
 """
 
@@ -28,7 +32,10 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("LMKV_MODEL_DIR", Path.home() / ".cache" / "lmkv" / "models"))
 
 
-def make_llama(name: str = "llama-tiny", root: Path | None = None, seed: int = 0, max_len: int = 16384, **shape: Any) -> Path:
+def make_llama(
+    name: str = "llama-tiny", root: Path | None = None, seed: int = 0, max_len: int = 16384,
+    init_std: float = 0.3, **shape: Any,
+) -> Path:
     """A Llama checkpoint (safetensors, bfloat16) under ``root/name``; returns its directory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -37,10 +44,11 @@ def make_llama(name: str = "llama-tiny", root: Path | None = None, seed: int = 0
     config = LlamaConfig(
         **spec, max_position_embeddings=max_len, rms_norm_eps=1e-5, rope_theta=10000.0,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16",
+        initializer_range=init_std,
     )
     out = (root or default_cache_dir()) / name
     stamp = out / "lmkv-model.json"
-    want = {"spec": spec, "seed": seed, "max_len": max_len}
+    want = {"spec": spec, "seed": seed, "max_len": max_len, "init_std": init_std}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return out
     torch.manual_seed(seed)

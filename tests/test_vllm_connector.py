@@ -1,0 +1,151 @@
+"""lmkv as a vLLM connector on vLLM's real CPU engine, with a locally generated model.
+
+Correctness is checked against a cold computation of the same prompt: a run with a
+``cache_salt`` nobody else uses, so neither vLLM's prefix cache nor lmkv can serve it.
+That lmkv served a prompt is checked on lmkv's own counters, never on timing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from lmkv.tinymodels import make_llama  # noqa: E402
+
+from vllm_engine import BLOCK, engine, generate, lmkv_stats, prompt, run  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(make_llama(root=tmp_path_factory.mktemp("models")))
+
+
+def loaded(llm) -> int:
+    return lmkv_stats(llm)["transfers"]["loaded_pages"]
+
+
+def cold(llm, prompts, max_tokens=8, tag="cold"):
+    return generate(llm, prompts, max_tokens, salt=f"{tag}-{id(prompts)}")
+
+
+class TestOneEngine:
+    """Tests sharing one in-process engine. vLLM keeps its connector in a process global,
+    so an in-process engine must be shut down before the next one starts: this class's
+    engine goes when its last test ends."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, model):
+        with engine(model, lmkv={"memory": {"capacity": "256MiB"}}) as e:
+            yield e
+
+    def test_reset_prefix_cache_then_every_full_block_comes_from_lmkv(self, llm):
+        p = prompt(300, seed=1)  # chunked prefill: 128 tokens per step
+        expected = cold(llm, [p])
+        first = generate(llm, [p])
+        assert first == expected
+        assert llm.reset_prefix_cache()
+        before = loaded(llm)
+        again = generate(llm, [p])
+        assert again == expected
+        assert loaded(llm) - before == (len(p) - 1) // BLOCK  # all 9 full blocks of the prompt
+
+    def test_partial_prefix_hit(self, llm):
+        base = prompt(300, seed=2)
+        generate(llm, [base])
+        other = base[:5 * BLOCK] + prompt(150, seed=3)
+        expected = cold(llm, [other])
+        assert llm.reset_prefix_cache()
+        before = loaded(llm)
+        assert generate(llm, [other]) == expected
+        assert loaded(llm) - before == 5
+
+    def test_concurrent_requests_with_shared_prefixes(self, llm):
+        shared = prompt(6 * BLOCK, seed=4)
+        prompts = [shared + prompt(40 + 13 * i, seed=10 + i) for i in range(8)]
+        expected = cold(llm, prompts)
+        assert generate(llm, prompts) == expected
+        assert llm.reset_prefix_cache()
+        before = loaded(llm)
+        outs = run(llm, prompts)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        # Every full block of every prompt came from a cache: lmkv's, or vLLM's own once
+        # the first request of the batch had loaded the shared prefix from lmkv.
+        assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
+        assert loaded(llm) - before >= 6
+
+    def test_block_filled_by_the_final_token_is_stored(self, llm):
+        p = prompt(70, seed=5)
+        # KV exists for prompt + outputs - 1 tokens: 70 + 27 - 1 = 96 = 3 full blocks,
+        # the third one completed by the request's last computed token.
+        out = generate(llm, [p], max_tokens=27)[0]
+        follow = (p + out)[: 3 * BLOCK] + prompt(20, seed=6)
+        expected = cold(llm, [follow])
+        assert llm.reset_prefix_cache()
+        before = loaded(llm)
+        assert generate(llm, [follow]) == expected
+        assert loaded(llm) - before == 3
+
+
+def test_preempted_requests_resume_from_lmkv(model):
+    # 5 requests start with 4 blocks each and grow to 13 in a 40-block KV cache: vLLM must
+    # preempt some; when they resume, the pages they had completed come back from lmkv.
+    prompts = [prompt(100, seed=20 + i) for i in range(5)]
+    block_bytes = 4 * 2 * 2 * 64 * BLOCK * 2  # layers x (K, V) x kv heads x head size x tokens x bf16
+    with engine(model, lmkv={"memory": {"capacity": "256MiB"}}, kv_bytes=40 * block_bytes,
+                max_seqs=5, max_len=640) as small:
+        expected = [cold(small, [p], max_tokens=300)[0] for p in prompts]
+        before = loaded(small)
+        assert generate(small, prompts, max_tokens=300) == expected
+        assert loaded(small) - before > 0  # distinct prompts: only resumed requests load
+
+
+def test_prefix_caching_off(model):
+    with engine(model, lmkv={"memory": {"capacity": "256MiB"}}, prefix_caching=False) as e:
+        p = prompt(300, seed=7)
+        first = generate(e, [p])
+        before = loaded(e)
+        assert generate(e, [p]) == first
+        assert loaded(e) - before == 9
+
+
+def test_multiprocess_engine(model):
+    with engine(model, lmkv={"memory": {"capacity": "256MiB"}}, multiprocess=True) as e:
+        p = prompt(300, seed=8)
+        expected = cold(e, [p])
+        assert generate(e, [p]) == expected
+        assert e.reset_prefix_cache()
+        before = loaded(e)
+        assert generate(e, [p]) == expected
+        assert loaded(e) - before == 9
+
+
+def test_fresh_engine_over_the_same_disk_tier(model, tmp_path):
+    cfg = {"memory": {"capacity": "256MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+    p = prompt(300, seed=9)
+    with engine(model, lmkv=cfg) as first:
+        expected = generate(first, [p])
+    with engine(model, lmkv=cfg) as second:  # a new process-level store: only the disk remembers
+        assert generate(second, [p]) == expected
+        stats = lmkv_stats(second)
+        assert stats["transfers"]["loaded_pages"] == 9
+        assert stats["tiers"]["disk"]["hits"] == 9
+
+
+def test_outputs_depend_on_the_restored_bytes(model):
+    """The checks above can fail: scrambled KV pages (checksums off in memory) change the tokens."""
+    with engine(model, lmkv={"memory": {"capacity": "256MiB", "verify_checksums": False}}) as e:
+        p = prompt(300, seed=30)
+        expected = generate(e, [p])
+        from lmkv.runtime import live_stores
+
+        (store,) = live_stores().values()
+        with store.memory.borrow(store.memory.keys()) as lease:
+            for v in lease.views:
+                v[:] = v[::-1].copy()
+        assert e.reset_prefix_cache()
+        before = loaded(e)
+        assert generate(e, [p]) != expected
+        assert loaded(e) - before == 9
