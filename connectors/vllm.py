@@ -133,6 +133,8 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: LayerwiseTransfer | None = None
         self.mirror: ResidencyMirror | None = None
         self._owned_scope: str | None = None
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self._events: list | None = [] if kv_events is not None and kv_events.enable_kv_cache_events else None
         if role is KVConnectorRole.SCHEDULER:
             # Workers are built before the scheduler: if one lives in this process, share its store;
             # otherwise mirror the workers' memory from their step reports and see shared tiers directly.
@@ -189,7 +191,47 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             all_ids = manager.get_block_ids(rid)
             return [all_ids[g] for g in self.group_ids]
 
-        return LMKVConnectorMetadata(self.scheduler.build_plan(scheduled, block_ids_of))
+        plan = self.scheduler.build_plan(scheduled, block_ids_of)
+        if self._events is not None:
+            self._events.extend(self._stored_events(plan))
+        return LMKVConnectorMetadata(plan)
+
+    def _stored_events(self, plan: StepPlan) -> list:
+        """One ``BlockStored`` per page planned for storing, keyed by vLLM's own block hashes so
+        KV-aware routers can match them; ``medium`` is the lmkv tier it lands in, ``ownership``
+        the residency domain that owns it."""
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        events = []
+        for op in plan.stores:
+            req = self._requests.get(op.req_id)
+            if req is None:
+                continue
+            hashes = req.block_hashes
+            tokens = req.all_token_ids
+            for p in op.pages:
+                if p >= len(hashes):
+                    continue
+                events.append(BlockStored(
+                    block_hashes=[maybe_convert_block_hash(hashes[p])],
+                    parent_block_hash=maybe_convert_block_hash(hashes[p - 1]) if p else None,
+                    token_ids=list(tokens[p * self.tokens_per_page : (p + 1) * self.tokens_per_page]),
+                    block_size=self.tokens_per_page,
+                    lora_id=req.lora_request.adapter_id if req.lora_request else None,
+                    medium=MEDIUM_CPU,
+                    lora_name=req.lora_request.name if req.lora_request else None,
+                    group_idx=self.group_ids[op.group],
+                    locality="LOCAL",
+                    ownership=self.cfg.domain,
+                ))
+        return events
+
+    def take_events(self):
+        if not self._events:
+            return ()
+        events, self._events[:] = list(self._events), []
+        return events
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))

@@ -19,7 +19,7 @@ class PageOp:
     group: int
     chains: list[bytes]
     block_ids: list[int]
-    first_page: int = 0  # index of chains[0] within the request
+    pages: list[int]  # each page's index within the request
 
 
 @dataclass

@@ -128,7 +128,7 @@ class OffloadScheduler:
         if n:
             chains = st.seq.chains[first : first + n]
             st.pending_loads = [
-                PageOp(req_id, g, chains, list(block_ids[g][first : first + n]), first)
+                PageOp(req_id, g, chains, list(block_ids[g][first : first + n]), list(range(first, first + n)))
                 for g in range(len(self.groups))
             ]
             self.stats.loaded_tokens += n * self.tpp
@@ -173,7 +173,10 @@ class OffloadScheduler:
         planned.update(keys[i] for i in want)
         self.stats.stored_pages += len(want)
         chains = st.seq.chains
-        return PageOp(st.req_id, g, [chains[start + i] for i in want], [blocks[start + i] for i in want], start + want[0])
+        return PageOp(
+            st.req_id, g, [chains[start + i] for i in want], [blocks[start + i] for i in want],
+            [start + i for i in want],
+        )
 
     # -- finalization ----------------------------------------------------------
 

