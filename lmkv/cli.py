@@ -1,4 +1,4 @@
-"""The ``lmkv`` command: ``bench``, ``config``, ``stats``."""
+"""The ``lmkv`` command: ``demo``, ``bench``, ``config``, ``stats``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ def _bench(args: argparse.Namespace) -> int:
     else:
         report.print_table()
     return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from lmkv.demo import DemoArgs, run
+
+    return run(DemoArgs(docs=args.docs, doc_tokens=args.doc_tokens, disk=args.disk))
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -57,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a smaller run, same metric names")
     b.add_argument("--dir", help="directory for on-disk files (default: the system temp dir)")
     b.set_defaults(fn=_bench)
+
+    d = sub.add_parser("demo", help="vLLM's CPU engine with lmkv on a local model: cold vs warm TTFT")
+    d.add_argument("--docs", type=int, default=4, help="documents (each asked twice)")
+    d.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document")
+    d.add_argument("--disk", help="disk tier directory (default: a new temp dir)")
+    d.set_defaults(fn=_demo)
 
     c = sub.add_parser("config", help="print the effective configuration (file < LMKV_* env)")
     c.add_argument("--file", help="YAML configuration file")

@@ -174,7 +174,7 @@ class TieredStore:
             leases = [lease]
             if session is not None and self.cfg.store.promote_on_hit:
                 session.commit(headers)
-                promoted = self.memory.borrow(want)
+                promoted = self.memory.borrow(want, count=False)
                 leases.append(promoted)
                 for i, j in zip(missing, range(len(want))):
                     views[i] = promoted.views[j] if headers[j] is not None else None
@@ -277,7 +277,7 @@ class TieredStore:
         todo = [k for k, present in zip(keys, nxt.contains(keys)) if not present]
         written = 0
         for i in range(0, len(todo), 64):
-            with self.memory.borrow(todo[i : i + 64]) as lease:
+            with self.memory.borrow(todo[i : i + 64], count=False) as lease:
                 for h, v, owners in zip(lease.headers, lease.views, lease.owners):
                     if h is not None:
                         for domain in owners or [self.domain]:
@@ -330,7 +330,7 @@ class StoreSession:
         results = self._inner.commit()
         store = self._store
         if store.cfg.store.write_policy == "write_through" and len(store.tiers) > 1:
-            lease = store.memory.borrow(self.keys)
+            lease = store.memory.borrow(self.keys, count=False)
             self.written_through = store.submit(self._write_through, lease)
         return results
 

@@ -18,7 +18,8 @@ import importlib.metadata as md
 from packaging.requirements import Requirement
 gpu = {"torch", "torchaudio", "torchvision", "torchcodec", "flashinfer-python", "flashinfer-cubin",
        "nvidia-cutlass-dsl", "tilelang", "triton", "xformers", "cupy-cuda12x", "ray", "zentorch",
-       "quack-kernels", "deep-gemm", "flashinfer-jit-cache", "apache-tvm-ffi", "xgrammar", "nixl"}
+       "quack-kernels", "deep-gemm", "flashinfer-jit-cache", "apache-tvm-ffi", "xgrammar", "nixl",
+       "pynvvideocodec", "fastsafetensors", "instanttensor", "tokenspeed-mla", "humming-kernels"}
 for line in md.requires("vllm") or []:
     r = Requirement(line)
     if r.name.lower() in gpu or r.name.lower().startswith("nvidia-"):

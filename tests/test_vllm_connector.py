@@ -111,8 +111,10 @@ def test_prefix_caching_off(model):
         assert loaded(e) - before == 9
 
 
-def test_multiprocess_engine(model):
-    with engine(model, lmkv={"memory": {"capacity": "256MiB"}}, multiprocess=True) as e:
+def test_multiprocess_engine_with_the_connector_named_only(model):
+    # The scheduler and the worker are separate processes: the scheduler mirrors the worker's
+    # memory tier from its step reports. The connector is found by name through lmkv's plugin.
+    with engine(model, lmkv={"memory": {"capacity": "256MiB"}}, multiprocess=True, by_name=True) as e:
         p = prompt(300, seed=8)
         expected = cold(e, [p])
         assert generate(e, [p]) == expected
@@ -149,3 +151,19 @@ def test_outputs_depend_on_the_restored_bytes(model):
         before = loaded(e)
         assert generate(e, [p]) != expected
         assert loaded(e) - before == 9
+
+
+def test_demo_runs(tmp_path):
+    """The README's main job, small: it exits 0 only if the restarted engine's tokens match."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LMKV_MODEL_DIR": str(tmp_path / "models")}
+    out = subprocess.run(
+        [sys.executable, "-m", "lmkv.cli", "demo", "--docs", "1", "--doc-tokens", "512", "--disk", str(tmp_path / "disk")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "identical to the cold pass after a restart: True" in " ".join(out.stdout.split())
+    assert "pages loaded into the engine: 15 (warm), 15 (fresh engine)" in " ".join(out.stdout.split())

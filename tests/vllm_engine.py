@@ -14,8 +14,11 @@ BLOCK = 32
 
 
 def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefix_caching: bool = True,
-             kv_bytes: int = 64 << 20, batched_tokens: int = 128, max_seqs: int = 8, max_len: int = 2048):
-    """An engine; ``lmkv=None`` runs without a connector. Chunked prefill is on (prompts > batched_tokens)."""
+             kv_bytes: int = 64 << 20, batched_tokens: int = 128, max_seqs: int = 8, max_len: int = 2048,
+             by_name: bool = False):
+    """An engine; ``lmkv=None`` runs without a connector. Chunked prefill is on (prompts > batched_tokens).
+
+    ``by_name`` names the connector only, relying on lmkv's vLLM plugin to register it."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -23,7 +26,7 @@ def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefi
     kw: dict[str, Any] = {}
     if lmkv is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LMKVConnector", kv_connector_module_path="lmkv.connectors.vllm",
+            kv_connector="LMKVConnector", kv_connector_module_path=None if by_name else "lmkv.connectors.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=lmkv,
         )
         kw["worker_extension_cls"] = "lmkv.connectors.vllm.LMKVWorkerExtension"

@@ -142,17 +142,19 @@ class MemoryTier(Tier):
                 if e.pins == 0 and e.deleted:
                     self._release_slot(e.offset, e.header.payload_len)
 
-    def _pin(self, keys: Sequence[bytes]) -> list[_Entry | None]:
+    def _pin(self, keys: Sequence[bytes], count: bool = True) -> list[_Entry | None]:
+        """Pin pages; ``count`` says whether this is a read to count (not lmkv's own bookkeeping)."""
         with self._lock:
             out = []
             for k in keys:
                 e = self._index.get(k)
                 if e is None:
-                    self.stats.misses += 1
+                    self.stats.misses += count
                 else:
                     e.pins += 1
-                    self._policy(e.header.payload_len).touch(k)
-                    self.stats.hits += 1
+                    if count:
+                        self._policy(e.header.payload_len).touch(k)
+                        self.stats.hits += 1
                 out.append(e)
             return out
 
@@ -194,9 +196,16 @@ class MemoryTier(Tier):
         with self._lock:
             return [k in self._index for k in keys]
 
-    def borrow(self, keys: Sequence[bytes]) -> Lease:
-        """Pin pages and return zero-copy views; release the lease when the copies are done."""
-        return Lease(self, self._pin(keys))
+    def borrow(self, keys: Sequence[bytes], count: bool = True) -> Lease:
+        """Pin pages and return zero-copy views; release the lease when the copies are done.
+
+        A counted borrow is a read (hits, misses, bytes); lmkv's own copies between tiers pass
+        ``count=False``.
+        """
+        entries = self._pin(keys, count)
+        if count:
+            self.stats.get_bytes += sum(e.header.payload_len for e in entries if e is not None)
+        return Lease(self, entries)
 
     def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         entries = self._pin(keys)
