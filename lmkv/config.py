@@ -24,6 +24,8 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
 ENV_PREFIX = "LMKV_"
 ENV_NESTING = "__"
+#: LMKV_* variables that are not settings: the config file, and where generated models live
+NOT_SETTINGS = {"LMKV_CONFIG", "LMKV_MODEL_DIR"}
 
 
 class ConfigError(ValueError):
@@ -116,10 +118,10 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """``LMKV_A__B=v`` becomes ``{"a": {"b": "v"}}``; ``LMKV_CONFIG`` names a file, not a field."""
+    """``LMKV_A__B=v`` becomes ``{"a": {"b": "v"}}`` (except :data:`NOT_SETTINGS`)."""
     out: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+        if not name.startswith(ENV_PREFIX) or name in NOT_SETTINGS:
             continue
         path = name[len(ENV_PREFIX):].lower().split(ENV_NESTING)
         node = out
