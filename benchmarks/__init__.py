@@ -10,6 +10,7 @@ import importlib
 
 BENCHES = {
     "tiers": "host-memory and disk tier put/get GB/s beside memcpy and raw file I/O",
+    "vllm": "TTFT and a working set over the KV budget on vLLM's CPU engine, vs vLLM and ExampleConnector",
 }
 
 

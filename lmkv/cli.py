@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from lmkv.config import ConfigError, load_config
@@ -19,11 +20,21 @@ def _bench(args: argparse.Namespace) -> int:
         print(e.args[0], file=sys.stderr)
         return 2
     kwargs = {"directory": args.dir} if args.dir else {}
-    report = mod.run(quick=args.quick, **kwargs)
-    if args.json:
-        print(report.to_json())
-    else:
-        report.print_table()
+    if not args.json:
+        mod.run(quick=args.quick, **kwargs).print_table()
+        return 0
+    # Engines print logs on stdout (Python loggers and C++ alike): while the bench runs, file
+    # descriptor 1 points at stderr, so stdout carries exactly one JSON object.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        report = mod.run(quick=args.quick, **kwargs)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(report.to_json())
     return 0
 
 

@@ -17,7 +17,9 @@ for async callers.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -79,6 +81,8 @@ class TieredStore:
         self.tiers = tiers
         self.metrics = Metrics(lambda: self.tiers)
         self._pool = ThreadPoolExecutor(cfg.store.io_threads, thread_name_prefix="lmkv-io")
+        self._pending: set[Future] = set()
+        self._pending_lock = threading.Lock()
 
     # -- lookup ------------------------------------------------------------
 
@@ -246,7 +250,21 @@ class TieredStore:
 
     def submit(self, fn, *args) -> Future:
         """Run a store call on the I/O threads (engine adapters overlap I/O with compute)."""
-        return self._pool.submit(fn, *args)
+        fut = self._pool.submit(fn, *args)
+        with self._pending_lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._settled)
+        return fut
+
+    def _settled(self, fut: Future) -> None:
+        with self._pending_lock:
+            self._pending.discard(fut)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for the background work submitted so far (write-through copies, fetches)."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending, timeout=timeout)
 
     async def alookup(self, keys: Sequence[bytes]) -> Lookup:
         return await asyncio.wrap_future(self.submit(self.lookup, keys))

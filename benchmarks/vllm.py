@@ -1,0 +1,218 @@
+"""``lmkv bench vllm``: lmkv on vLLM's CPU engine against vLLM itself and its ExampleConnector.
+
+One run, one locally generated model, the same scheduler settings for every variant
+(chunked prefill with a token budget larger than the prompt, because ExampleConnector
+fails on prompts longer than ``max_num_batched_tokens``):
+
+- hit TTFT: vLLM's own prefix-cache hit is the floor (nothing moves); lmkv's memory hit
+  (vLLM's prefix cache reset first) and disk hit (lmkv's memory emptied too), and
+  ExampleConnector's hit on the same prompt;
+- cold TTFT with lmkv storing vs no connector;
+- a working set larger than the KV budget: documents asked round-robin, each time with a
+  new question, no connector (prefix caching on) vs lmkv vs ExampleConnector.
+
+TTFT is the wall time of a one-token generation; hit figures are medians of repeats.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmkv.tinymodels import LLAMA_BENCH, make_llama
+
+from lmkv.benchmarks.report import Report
+
+log = logging.getLogger("lmkv.bench.vllm")
+
+
+@dataclass
+class Shape:
+    model: dict
+    prompt_tokens: int
+    docs: int
+    doc_tokens: int
+    rounds: int
+    docs_in_budget: float
+    repeats: int
+
+
+FULL = Shape(model=LLAMA_BENCH, prompt_tokens=6144, docs=16, doc_tokens=4096, rounds=3, docs_in_budget=4.5, repeats=3)
+QUICK = Shape(
+    model=dict(LLAMA_BENCH, hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_hidden_layers=4),
+    prompt_tokens=1536, docs=6, doc_tokens=1024, rounds=2, docs_in_budget=2.5, repeats=2,
+)
+QUESTION = 32
+BLOCK = 32
+
+
+def _tokens(n: int, seed: int, vocab: int) -> list[int]:
+    return [(i * 131 + seed * 7919) % (vocab - 3) + 3 for i in range(n)]
+
+
+class Variant:
+    """One engine configuration; each engine is shut down before the next starts."""
+
+    def __init__(self, name: str, model: Path, shape: Shape, kv_bytes: int, transfer) -> None:
+        from vllm import LLM
+
+        self.name = name
+        self.llm = LLM(
+            model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
+            max_model_len=max(shape.prompt_tokens, shape.doc_tokens) + 2 * QUESTION, block_size=BLOCK,
+            max_num_batched_tokens=max(shape.prompt_tokens, shape.doc_tokens) + 2 * QUESTION, max_num_seqs=4,
+            kv_cache_memory_bytes=kv_bytes, kv_transfer_config=transfer,
+            worker_extension_cls="lmkv.connectors.vllm.LMKVWorkerExtension",
+        )
+
+    def ttft(self, tokens: list[int]) -> tuple[float, list[int]]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+        t0 = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)
+        return time.perf_counter() - t0, list(out[0].outputs[0].token_ids)
+
+    def workload(self, shape: Shape, vocab: int) -> tuple[float, list[list[int]]]:
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=8, temperature=0, detokenize=False, ignore_eos=True)
+        docs = [_tokens(shape.doc_tokens, 100 + d, vocab) for d in range(shape.docs)]
+        outs = []
+        t0 = time.perf_counter()
+        for r in range(shape.rounds):
+            for d, doc in enumerate(docs):
+                q = _tokens(QUESTION, 1000 + r * 97 + d, vocab)
+                res = self.llm.generate([{"prompt_token_ids": doc + q}], sp, use_tqdm=False)
+                outs.append(list(res[0].outputs[0].token_ids))
+        return time.perf_counter() - t0, outs
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+def _lmkv_transfer(disk: Path, memory: str):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="LMKVConnector", kv_connector_module_path="lmkv.connectors.vllm", kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"memory": {"capacity": memory}, "disk": {"path": str(disk)},
+                                   "store": {"write_policy": "write_through"}},
+    )
+
+
+def _example_transfer(path: Path):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                            kv_connector_extra_config={"shared_storage_path": str(path)})
+
+
+def _drop_lmkv_memory() -> None:
+    """Empty lmkv's memory tier (in-process engine) so the next hit is served from disk."""
+    from lmkv.runtime import live_stores
+
+    for store in live_stores().values():
+        store.drain()  # the write-through copies must have landed first
+        store.memory.delete(store.memory.keys())
+
+
+def _median_hit(variant: Variant, tokens: list[int], repeats: int, before) -> tuple[float, list[int]]:
+    times, out = [], []
+    for _ in range(repeats):
+        before()
+        t, out = variant.ttft(tokens)
+        times.append(t)
+    return statistics.median(times), out
+
+
+def run(quick: bool, directory: str | None = None) -> Report:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    shape = QUICK if quick else FULL
+    vocab = shape.model["vocab_size"]
+    root = Path(tempfile.mkdtemp(prefix="lmkv-bench-vllm-", dir=directory))
+    model = make_llama("lmkv-bench-quick" if quick else "lmkv-bench", **shape.model)
+    layers, kv_heads = shape.model["num_hidden_layers"], shape.model["num_key_value_heads"]
+    head = shape.model["hidden_size"] // shape.model["num_attention_heads"]
+    kv_per_token = layers * 2 * kv_heads * head * 2
+    roomy = int(kv_per_token * (shape.prompt_tokens + 4 * QUESTION) * 2.5)
+    tight = int(kv_per_token * (shape.doc_tokens + QUESTION) * shape.docs_in_budget)
+    working_set = kv_per_token * shape.docs * (shape.doc_tokens + QUESTION)
+    lmkv_memory = f"{2 * max(working_set, kv_per_token * shape.prompt_tokens) // (1 << 20) + 64}MiB"
+    report = Report("vllm", params={
+        "model": shape.model, "prompt_tokens": shape.prompt_tokens, "block_size": BLOCK,
+        "workload": {"docs": shape.docs, "doc_tokens": shape.doc_tokens, "rounds": shape.rounds,
+                     "question_tokens": QUESTION, "kv_budget_bytes": tight, "working_set_bytes": working_set},
+        "hit_repeats": shape.repeats, "lmkv_memory": lmkv_memory,
+    })
+    prompt = _tokens(shape.prompt_tokens, 1, vocab)
+    cold_prompt = _tokens(shape.prompt_tokens, 2, vocab)
+    try:
+        log.info("no connector: cold and prefix-cache hit TTFT")
+        v = Variant("none", model, shape, roomy, None)
+        cold_none, ref_cold = v.ttft(cold_prompt)
+        v.ttft(prompt)
+        floor, ref_hit = _median_hit(v, prompt, shape.repeats, lambda: None)
+        v.close()
+
+        log.info("lmkv: cold, memory hit and disk hit TTFT")
+        v = Variant("lmkv", model, shape, roomy, _lmkv_transfer(root / "lmkv-disk", lmkv_memory))
+        cold_lmkv, out_cold = v.ttft(cold_prompt)
+        v.ttft(prompt)
+        mem_hit, out_mem = _median_hit(v, prompt, shape.repeats, v.llm.reset_prefix_cache)
+
+        def from_disk() -> None:
+            v.llm.reset_prefix_cache()
+            _drop_lmkv_memory()
+
+        disk_hit, out_disk = _median_hit(v, prompt, shape.repeats, from_disk)
+        loaded = v.llm.collective_rpc("lmkv_stats")[0]
+        v.close()
+
+        log.info("ExampleConnector: hit TTFT")
+        v = Variant("example", model, shape, roomy, _example_transfer(root / "example-hit"))
+        v.ttft(prompt)
+        example_hit, out_example = _median_hit(v, prompt, shape.repeats, v.llm.reset_prefix_cache)
+        v.close()
+
+        log.info("working set over the KV budget: no connector")
+        v = Variant("none", model, shape, tight, None)
+        wl_none, wl_ref = v.workload(shape, vocab)
+        v.close()
+        log.info("working set over the KV budget: lmkv")
+        v = Variant("lmkv", model, shape, tight, _lmkv_transfer(root / "lmkv-wl", lmkv_memory))
+        wl_lmkv, wl_out = v.workload(shape, vocab)
+        wl_stats = v.llm.collective_rpc("lmkv_stats")[0]
+        v.close()
+        log.info("working set over the KV budget: ExampleConnector")
+        v = Variant("example", model, shape, tight, _example_transfer(root / "example-wl"))
+        wl_example, _ = v.workload(shape, vocab)
+        v.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    report.add("ttft.lmkv_memory", mem_hit, "s", floor, "vLLM prefix-cache hit TTFT, same prompt (the floor)")
+    report.add("ttft.lmkv_disk", disk_hit, "s", floor, "vLLM prefix-cache hit TTFT, same prompt (the floor)")
+    report.add("ttft.lmkv_memory_vs_example", mem_hit, "s", example_hit, "vLLM ExampleConnector hit TTFT, same prompt")
+    report.add("ttft.cold_with_lmkv", cold_lmkv, "s", cold_none, "no-connector cold TTFT, same prompt and scheduler settings")
+    report.add("workload.lmkv", wl_lmkv, "s", wl_none, "the same working set, no connector, prefix caching on")
+    report.add("workload.lmkv_vs_example", wl_lmkv, "s", wl_example, "the same working set with ExampleConnector")
+    identical = out_cold == ref_cold and out_mem == ref_hit and out_disk == ref_hit and wl_out == wl_ref
+    report.add("tokens_identical", float(identical), "bool")
+    report.add("ttft.example_hit_tokens_identical", float(out_example == ref_hit), "bool")
+    report.add("workload.lmkv_loaded_pages", wl_stats["transfers"]["loaded_pages"], "pages")
+    report.add("ttft.lmkv_loaded_pages", loaded["transfers"]["loaded_pages"], "pages")
+    return report
