@@ -1,6 +1,6 @@
 """lmkv with vLLM's offline ``LLM`` API.
 
-    python examples/vllm_offline.py [MODEL_DIR]
+    python examples/vllm_offline.py [MODEL_DIR [DISK_DIR]]
 
 Without a model directory it generates a small Llama locally (random weights). The
 second generation of the same long prompt, after vLLM's own prefix cache is reset,
@@ -9,6 +9,7 @@ is served from lmkv instead of recomputed.
 
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -22,6 +23,7 @@ def main() -> None:
     from lmkv.tinymodels import make_llama
 
     model = sys.argv[1] if len(sys.argv) > 1 else str(make_llama())
+    disk = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp(prefix="lmkv-example-disk-")
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,  # token-id prompts; remove for a model with a tokenizer
@@ -37,7 +39,7 @@ def main() -> None:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={
                 "memory": {"capacity": "1GiB"},
-                "disk": {"path": "/tmp/lmkv-example-disk"},
+                "disk": {"path": disk},
             },
         ),
     )

@@ -63,15 +63,17 @@ class DiskConfig(_Section):
     )
     fsync: bool = Field(True, description="fsync a page before it becomes visible")
     policy: Literal["lru", "s3fifo"] = Field("lru", description="eviction policy")
+    io_threads: int = Field(8, ge=1, le=128, description="parallel reads and writes (a device needs queue depth)")
 
 
 class StoreConfig(_Section):
     """How the tiers cooperate."""
 
     write_policy: Literal["write_through", "write_back"] = Field(
-        "write_back",
-        description="write_through: every put reaches every tier; "
-        "write_back: puts land in memory and move down on eviction",
+        "write_through",
+        description="write_through: every put is copied to every tier in the background, so "
+        "evicting from memory is free; write_back: puts land in memory and are written down "
+        "when memory evicts them (fewer disk writes, but an eviction waits for its write)",
     )
     promote_on_hit: bool = Field(True, description="copy a lower-tier hit into memory")
     io_threads: int = Field(4, ge=1, le=64, description="background I/O threads")

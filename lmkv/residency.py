@@ -14,10 +14,10 @@ other failed load.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lmkv.store import Lookup
+from lmkv.store import Lookup, locate, prefix_lookup
 
 
 @dataclass
@@ -63,47 +63,32 @@ class ResidencyLog:
         return delta
 
 
+class _MirroredMemory:
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self.keys for k in keys]
+
+
 class ResidencyMirror:
     """The scheduler's view: mirrored worker memory, then tiers it can see itself."""
 
-    name = "worker-memory"
-
     def __init__(self, lower: Sequence = ()) -> None:
-        self._keys: set[bytes] = set()
-        self.lower = list(lower)
+        self._memory = _MirroredMemory()
+        self.tiers = [self._memory, *lower]
 
     def apply(self, delta: ResidencyDelta) -> None:
-        self._keys.difference_update(delta.removed)
-        self._keys.update(delta.added)
+        self._memory.keys.difference_update(delta.removed)
+        self._memory.keys.update(delta.added)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._memory.keys)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        found = [k in self._keys for k in keys]
-        for tier in self.lower:
-            todo = [i for i, f in enumerate(found) if not f]
-            if not todo:
-                break
-            for i, present in zip(todo, tier.contains([keys[i] for i in todo])):
-                found[i] = present
-        return found
+        return [w is not None for w in locate(keys, self.tiers)]
 
     def lookup(self, keys: Sequence[bytes]) -> Lookup:
-        where = ["memory" if k in self._keys else None for k in keys]
-        for tier in self.lower:
-            todo = [i for i, w in enumerate(where) if w is None]
-            if not todo:
-                break
-            for i, present in zip(todo, tier.contains([keys[i] for i in todo])):
-                if present:
-                    where[i] = tier.name
-        n = next((i for i, w in enumerate(where) if w is None), len(keys))
-        return Lookup(tuple(where[:n]))  # type: ignore[arg-type]
-
-
-def merge_deltas(deltas: Iterable[ResidencyDelta]) -> ResidencyDelta:
-    out = ResidencyDelta()
-    for d in deltas:
-        out = out.merge(d)
-    return out
+        return prefix_lookup(keys, self.tiers)

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -36,6 +37,32 @@ from lmkv.tiers.disk import DiskTier
 from lmkv.tiers.memory import MemoryTier
 
 log = logging.getLogger(__name__)
+
+
+class HasContains(Protocol):
+    name: str
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+
+def locate(keys: Sequence[bytes], tiers: Sequence[HasContains]) -> list[str | None]:
+    """Per key, the first tier that holds it; each tier is asked only about keys the ones above lacked."""
+    where: list[str | None] = [None] * len(keys)
+    for tier in tiers:
+        todo = [i for i, w in enumerate(where) if w is None]
+        if not todo:
+            break
+        for i, present in zip(todo, tier.contains([keys[i] for i in todo])):
+            if present:
+                where[i] = tier.name
+    return where
+
+
+def prefix_lookup(keys: Sequence[bytes], tiers: Sequence[HasContains]) -> Lookup:
+    """The longest prefix of ``keys`` that some tier holds, page by page."""
+    where = locate(keys, tiers)
+    n = next((i for i, w in enumerate(where) if w is None), len(keys))
+    return Lookup(tuple(where[:n]))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -89,27 +116,11 @@ class TieredStore:
     def lookup(self, keys: Sequence[bytes]) -> Lookup:
         """The longest prefix of ``keys`` resident in some tier."""
         with self.metrics.timed("lookup"):
-            where: list[str | None] = [None] * len(keys)
-            for tier in self.tiers:
-                todo = [i for i, w in enumerate(where) if w is None]
-                if not todo:
-                    break
-                for i, present in zip(todo, tier.contains([keys[i] for i in todo])):
-                    if present:
-                        where[i] = tier.name
-            n = next((i for i, w in enumerate(where) if w is None), len(keys))
-            return Lookup(tuple(where[:n]))  # type: ignore[arg-type]
+            return prefix_lookup(keys, self.tiers)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether any tier holds it (not prefix-ordered)."""
-        found = [False] * len(keys)
-        for tier in self.tiers:
-            todo = [i for i, f in enumerate(found) if not f]
-            if not todo:
-                break
-            for i, p in zip(todo, tier.contains([keys[i] for i in todo])):
-                found[i] = p
-        return found
+        return [w is not None for w in locate(keys, self.tiers)]
 
     # -- reads -------------------------------------------------------------
 

@@ -24,9 +24,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from lmkv.blockcopy import as_uint8_tensor, block_nbytes, gather_layer, scatter_layer
+from lmkv.blockcopy import LayerBlocks, as_bytes_array
 from lmkv.errors import TierFullError
 from lmkv.keys import page_key
 from lmkv.layout import GroupLayout
@@ -70,14 +71,14 @@ class _GroupLoad:
     future: Future
     fetched: Fetched | None = None
     ok: list[bool] = field(default_factory=list)
-    pages: list[torch.Tensor] = field(default_factory=list)
+    pages: list[np.ndarray] = field(default_factory=list)
     done_layers: set[int] = field(default_factory=set)
 
 
 @dataclass
 class _GroupStore:
     block_ids: list[int]
-    pages: list[torch.Tensor]
+    pages: list[np.ndarray]
     done_layers: set[int] = field(default_factory=set)
 
 
@@ -92,15 +93,15 @@ class LayerwiseTransfer:
         """``tensors[g][l]`` is layer ``l`` of group ``g``; ``layer_names`` maps the engine's names to (g, l)."""
         self.store = store
         self.groups = list(groups)
-        self.tensors = [list(t) for t in tensors]
+        self.layers = [[LayerBlocks(t) for t in group] for group in tensors]
         self.layer_names = dict(layer_names)
-        for g, (layout, layers) in enumerate(zip(self.groups, self.tensors)):
+        for layout, layers in zip(self.groups, self.layers):
             if len(layers) != layout.num_layers:
                 raise ValueError(f"group {layout.name!r}: {len(layers)} tensors for {layout.num_layers} layers")
-            for t in layers:
-                if block_nbytes(t) != layout.layer_stride:
+            for lb in layers:
+                if lb.nbytes != layout.layer_stride:
                     raise ValueError(
-                        f"group {layout.name!r}: an engine block holds {block_nbytes(t)} bytes per layer, "
+                        f"group {layout.name!r}: an engine block holds {lb.nbytes} bytes per layer, "
                         f"the page layout expects {layout.layer_stride}"
                     )
         self.stats = WorkerStats()
@@ -139,7 +140,7 @@ class LayerwiseTransfer:
         i = 0
         for g in order:
             keys, blocks = by_group[g]
-            pages = [as_uint8_tensor(self._session.buffer(i + j)) for j in range(len(keys))]
+            pages = [as_bytes_array(self._session.buffer(i + j)) for j in range(len(keys))]
             self._stores[g] = _GroupStore(blocks, pages)
             i += len(keys)
 
@@ -164,7 +165,7 @@ class LayerwiseTransfer:
             load.fetched = Fetched([None] * len(load.block_ids), [])
         views = load.fetched.views
         load.ok = [v is not None for v in views]
-        load.pages = [as_uint8_tensor(v) for v in views if v is not None]
+        load.pages = [as_bytes_array(v) for v in views if v is not None]
         failed = [b for b, ok in zip(load.block_ids, load.ok) if not ok]
         self._errors.update(failed)
         self.stats.add(
@@ -179,14 +180,14 @@ class LayerwiseTransfer:
         if load is None or layer in load.done_layers:
             return
         blocks = [b for b, ok in zip(load.block_ids, load.ok) if ok]
-        scatter_layer(self.tensors[g][layer], blocks, load.pages, self.groups[g].layer_range(layer)[0])
+        self.layers[g][layer].scatter(blocks, load.pages, self.groups[g].layer_range(layer)[0])
         load.done_layers.add(layer)
 
     def _gather(self, g: int, layer: int) -> None:
         st = self._stores.get(g)
         if st is None or layer in st.done_layers:
             return
-        gather_layer(self.tensors[g][layer], st.block_ids, st.pages, self.groups[g].layer_range(layer)[0])
+        self.layers[g][layer].gather(st.block_ids, st.pages, self.groups[g].layer_range(layer)[0])
         st.done_layers.add(layer)
 
     def before_layer(self, name: str) -> None:

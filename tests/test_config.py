@@ -8,7 +8,7 @@ def test_defaults_work_without_anything():
     assert cfg.memory.capacity == 2 << 30
     assert cfg.memory.policy == "s3fifo"
     assert cfg.disk.path is None
-    assert cfg.store.write_policy == "write_back"
+    assert cfg.store.write_policy == "write_through"
 
 
 def test_precedence_file_then_env_then_dict(tmp_path):

@@ -15,11 +15,11 @@ from conftest import random_payload
 
 
 def _store(tmp_path, layout, mem_pages=4, **store_cfg) -> TieredStore:
+    store_cfg.setdefault("write_policy", "write_back")  # most tests here watch demotion
     cfg = {"memory": {"capacity": mem_pages * layout.payload_bytes, "slab_size": layout.payload_bytes}}
     if tmp_path is not None:
         cfg["disk"] = {"path": str(tmp_path / "disk")}
-    if store_cfg:
-        cfg["store"] = store_cfg
+    cfg["store"] = store_cfg
     return TieredStore(load_config(cfg, environ={}))
 
 

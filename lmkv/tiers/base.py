@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, make_header
@@ -138,3 +138,28 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release resources; the default has none."""
+
+
+class LocalTier(Tier):
+    """A tier whose index lives in this process (memory, disk): the bookkeeping they share.
+
+    Subclasses keep ``_index`` (key -> entry with a ``domains`` bit set), ``_domains``,
+    ``_used`` and ``_lock``, and a config with ``capacity``.
+    """
+
+    def owners(self, key: bytes) -> list[str]:
+        """The residency domains that own a page."""
+        with self._lock:
+            e = self._index.get(key)
+            return self._domains.names(e.domains) if e else []
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.cfg.capacity)
+
+    def __len__(self) -> int:
+        return len(self._index)

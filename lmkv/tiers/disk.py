@@ -28,6 +28,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ from lmkv.page import (
     verify_units,
 )
 from lmkv.policy import EvictionPolicy, make_policy
-from lmkv.tiers.base import Range, Tier, WriteSession
+from lmkv.tiers.base import LocalTier, Range, WriteSession
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class _Entry:
     domains: int
 
 
-class DiskTier(Tier):
+class DiskTier(LocalTier):
     def __init__(self, cfg: DiskConfig, name: str = "disk") -> None:
         super().__init__(name)
         if not cfg.path:
@@ -172,6 +173,7 @@ class DiskTier(Tier):
         self._used = 0
         self._reserved = 0
         self._bounce = _Bounce()
+        self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="lmkv-disk")
         self._rebuild()
 
     # -- files -------------------------------------------------------------
@@ -444,33 +446,36 @@ class DiskTier(Tier):
             return key in self._index
 
     def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
-        return [self._read_page(k, layout, out, None) for k, out in zip(keys, outs)]
+        """Pages are read in parallel: small reads are latency-bound, a device needs queue depth."""
+        if len(keys) < 2:
+            return [self._read_page(k, layout, out, None) for k, out in zip(keys, outs)]
+        return list(self._io.map(lambda ko: self._read_page(ko[0], layout, ko[1], None), zip(keys, outs)))
 
     def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         return self._read_page(key, layout, out, list(ranges))
 
     def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
         check_domain(domain)
-        results = []
-        for header, payload in pages:
-            size = header.disk_header_bytes + padded(header.payload_len)
-            with self._lock:
-                e = self._index.get(header.key)
-                if e is not None:
-                    if not e.domains & self._domains.bit(domain):
-                        self._link_domain(header.key, e, domain)
-                    self._policy.touch(header.key)
-                    results.append(True)
-                    continue
-                room = self._make_room(size)
-                if room:
-                    self._reserved += size
-            if not room:
-                self.stats.full += 1
-                results.append(False)
-                continue
-            results.append(self._store(header, payload, domain, reserved=True))
-        return results
+        if len(pages) < 2:
+            return [self._put_one(header, payload, domain) for header, payload in pages]
+        return list(self._io.map(lambda hp: self._put_one(hp[0], hp[1], domain), pages))
+
+    def _put_one(self, header: PageHeader, payload, domain: str) -> bool:
+        size = header.disk_header_bytes + padded(header.payload_len)
+        with self._lock:
+            e = self._index.get(header.key)
+            if e is not None:
+                if not e.domains & self._domains.bit(domain):
+                    self._link_domain(header.key, e, domain)
+                self._policy.touch(header.key)
+                return True
+            room = self._make_room(size)
+            if room:
+                self._reserved += size
+        if not room:
+            self.stats.full += 1
+            return False
+        return self._store(header, payload, domain, reserved=True)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         n = 0
@@ -497,24 +502,12 @@ class DiskTier(Tier):
                     deleted += 1
             return deleted
 
-    def owners(self, key: bytes) -> list[str]:
-        with self._lock:
-            e = self._index.get(key)
-            return self._domains.names(e.domains) if e else []
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
 
     def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> DiskSession:
         return DiskSession(self, keys, layouts, check_domain(domain))
 
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def capacity_bytes(self) -> int:
-        return int(self.cfg.capacity)
-
-    def __len__(self) -> int:
-        return len(self._index)
 
 
 class DiskSession(WriteSession):

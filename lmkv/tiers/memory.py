@@ -25,7 +25,7 @@ from lmkv.errors import PageError, TierFullError
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, verify_payload, verify_units
 from lmkv.policy import EvictionPolicy, make_policy
-from lmkv.tiers.base import Range, Tier, WriteSession
+from lmkv.tiers.base import LocalTier, Range, WriteSession
 
 #: called with (header, payload view, owning domains) of each evicted page, before its slot is reused
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class Lease:
         self.release()
 
 
-class MemoryTier(Tier):
+class MemoryTier(LocalTier):
     def __init__(self, cfg: MemoryConfig, name: str = "memory", on_evict: EvictHook | None = None) -> None:
         super().__init__(name)
         self.cfg = cfg
@@ -303,24 +303,9 @@ class MemoryTier(Tier):
         with self._lock:
             return list(self._index)
 
-    def owners(self, key: bytes) -> list[str]:
-        with self._lock:
-            e = self._index.get(key)
-            return self._domains.names(e.domains) if e else []
-
     def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> MemorySession:
         return MemorySession(self, keys, layouts, domain)
 
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def capacity_bytes(self) -> int:
-        return int(self.cfg.capacity)
-
-    def __len__(self) -> int:
-        return len(self._index)
 
 
 class MemorySession(WriteSession):
