@@ -22,6 +22,8 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
+from lmkv.faults import FaultSpec
+
 ENV_PREFIX = "LMKV_"
 ENV_NESTING = "__"
 #: LMKV_* variables that are not settings: the config file, and where generated models live
@@ -88,6 +90,9 @@ class LMKVConfig(_Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    faults: dict[str, FaultSpec] = Field(
+        default_factory=dict, description="fault injection per lower tier name (tests, benchmarks)"
+    )
 
 
 _HINTS = {

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ from typing import Protocol
 import numpy as np
 
 from lmkv.config import LMKVConfig
-from lmkv.errors import TierFullError
+from lmkv.errors import LMKVError, TierFullError
+from lmkv.faults import FaultyTier
 from lmkv.layout import GroupLayout
 from lmkv.metrics import Metrics
 from lmkv.page import PageHeader, make_header
@@ -46,16 +48,38 @@ class HasContains(Protocol):
 
 
 def locate(keys: Sequence[bytes], tiers: Sequence[HasContains]) -> list[str | None]:
-    """Per key, the first tier that holds it; each tier is asked only about keys the ones above lacked."""
+    """Per key, the first tier that holds it; each tier is asked only about keys the ones above lacked.
+
+    A tier that cannot answer (down, timed out) holds nothing for now.
+    """
     where: list[str | None] = [None] * len(keys)
     for tier in tiers:
         todo = [i for i, w in enumerate(where) if w is None]
         if not todo:
             break
-        for i, present in zip(todo, tier.contains([keys[i] for i in todo])):
-            if present:
+        try:
+            present = tier.contains([keys[i] for i in todo])
+        except (LMKVError, OSError) as err:
+            _tier_failed(tier, "lookup", err)
+            continue
+        for i, p in zip(todo, present):
+            if p:
                 where[i] = tier.name
     return where
+
+
+_last_warning: dict[str, float] = {}
+
+
+def _tier_failed(tier, what: str, err: BaseException) -> None:
+    """Count a failing tier call and log it, at most once a minute per tier."""
+    stats = getattr(tier, "stats", None)
+    if stats is not None:
+        stats.errors += 1
+    now = time.monotonic()
+    if now - _last_warning.get(tier.name, -1e9) > 60:
+        _last_warning[tier.name] = now
+        log.warning("lmkv: %s tier failed a %s (%s); serving from the other tiers", tier.name, what, err)
 
 
 def prefix_lookup(keys: Sequence[bytes], tiers: Sequence[HasContains]) -> Lookup:
@@ -105,7 +129,10 @@ class TieredStore:
         if cfg.disk.path:
             tiers.append(DiskTier(cfg.disk))
         tiers.extend(lower)
-        self.tiers = tiers
+        unknown = set(cfg.faults) - {t.name for t in tiers[1:]}
+        if unknown:
+            raise ValueError(f"faults: no lower tier named {sorted(unknown)} (tiers: {[t.name for t in tiers[1:]]})")
+        self.tiers = [tiers[0]] + [FaultyTier(t, cfg.faults[t.name]) if t.name in cfg.faults else t for t in tiers[1:]]
         self.metrics = Metrics(lambda: self.tiers)
         self._pool = ThreadPoolExecutor(cfg.store.io_threads, thread_name_prefix="lmkv-io")
         self._pending: set[Future] = set()
@@ -132,10 +159,14 @@ class TieredStore:
             for depth, tier in enumerate(self.tiers):
                 if not todo:
                     break
-                present = tier.contains([keys[i] for i in todo])
-                here = [i for i, p in zip(todo, present) if p]
+                try:
+                    present = tier.contains([keys[i] for i in todo])
+                    here = [i for i, p in zip(todo, present) if p]
+                    got = tier.get([keys[i] for i in here], layout, [outs[i] for i in here]) if here else []
+                except (LMKVError, OSError) as err:
+                    _tier_failed(tier, "read", err)
+                    continue
                 if here:
-                    got = tier.get([keys[i] for i in here], layout, [outs[i] for i in here])
                     for i, h in zip(here, got):
                         results[i] = h
                     if depth > 0 and self.cfg.store.promote_on_hit:
@@ -146,10 +177,13 @@ class TieredStore:
     def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         """Read some units of one page (e.g. a layer) from the fastest tier that has it."""
         for tier in self.tiers:
-            if tier.contains([key])[0]:
-                h = tier.read_ranges(key, layout, ranges, out)
-                if h is not None:
-                    return h
+            try:
+                if tier.contains([key])[0]:
+                    h = tier.read_ranges(key, layout, ranges, out)
+                    if h is not None:
+                        return h
+            except (LMKVError, OSError) as err:
+                _tier_failed(tier, "read", err)
         return None
 
     def fetch(self, keys: Sequence[bytes], layout: GroupLayout) -> Fetched:
@@ -167,12 +201,9 @@ class TieredStore:
             if not missing or len(self.tiers) == 1:
                 return Fetched(views, [lease])
             # Which lower tier has each missing page, asked once per tier before reserving room.
-            source: dict[int, Tier] = {}
-            for tier in self.tiers[1:]:
-                todo = [i for i in missing if i not in source]
-                for i, p in zip(todo, tier.contains([keys[i] for i in todo]) if todo else []):
-                    if p:
-                        source[i] = tier
+            names = dict(zip(missing, locate([keys[i] for i in missing], self.tiers[1:])))
+            by_name = {t.name: t for t in self.tiers[1:]}
+            source: dict[int, Tier] = {i: by_name[n] for i, n in names.items() if n is not None}
             missing = [i for i in missing if i in source]
             want = [keys[i] for i in missing]
             try:
@@ -184,7 +215,12 @@ class TieredStore:
             headers: list[PageHeader | None] = [None] * len(want)
             for tier in {id(t): t for t in source.values()}.values():
                 js = [j for j, i in enumerate(missing) if source[i] is tier]
-                for j, h in zip(js, tier.get([want[j] for j in js], layout, [bufs[j] for j in js])):
+                try:
+                    got = tier.get([want[j] for j in js], layout, [bufs[j] for j in js])
+                except (LMKVError, OSError) as err:
+                    _tier_failed(tier, "read", err)
+                    continue
+                for j, h in zip(js, got):
                     headers[j] = h
             leases = [lease]
             if session is not None and self.cfg.store.promote_on_hit:
@@ -225,7 +261,11 @@ class TieredStore:
         stored = self.memory.put(pages, domain)
         if self.cfg.store.write_policy == "write_through":
             for tier in self.tiers[1:]:
-                lower = tier.put(pages, domain)
+                try:
+                    lower = tier.put(pages, domain)
+                except (LMKVError, OSError) as err:
+                    _tier_failed(tier, "write", err)
+                    continue
                 stored = [a or b for a, b in zip(stored, lower)]
         return stored
 
@@ -238,8 +278,8 @@ class TieredStore:
             for domain in owners or [self.domain]:
                 try:
                     nxt.put([(header, view)], domain)
-                except Exception:  # a failing lower tier must never fail the put that evicted
-                    log.exception("demoting %s to %s failed", header.key.hex(), nxt.name)
+                except (LMKVError, OSError) as err:  # a failing lower tier must never fail the put that evicted
+                    _tier_failed(nxt, "write", err)
 
     def open_session(
         self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str | None = None
@@ -369,8 +409,8 @@ class StoreSession:
             for tier in self._store.tiers[1:]:
                 try:
                     tier.put(pages, self._domain)
-                except Exception:  # a failing lower tier must not lose the memory copy
-                    log.exception("write-through to %s failed", tier.name)
+                except (LMKVError, OSError) as err:  # a failing lower tier must not lose the memory copy
+                    _tier_failed(tier, "write", err)
 
     def abort(self) -> None:
         self._inner.abort()

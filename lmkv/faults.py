@@ -1,0 +1,163 @@
+"""Fault injection: a tier wrapper that makes loads fail the ways real tiers fail.
+
+Configured per tier name under ``faults`` (tests and ``lmkv bench faults`` use it)::
+
+    faults:
+      disk: {corrupt_rate: 0.05, missing_rate: 0.02, short_read_rate: 0.02,
+             delay_ms: 1, outages: [[10, 15]], seed: 7}
+
+- ``missing_rate``: a page the lookup saw is gone when read (evicted in between);
+- ``corrupt_rate``: a bit flips in transit, after the tier read it;
+- ``short_read_rate``: the read returns fewer bytes than the page holds;
+- ``delay_ms``: added latency per call;
+- ``outages``: ``[start, end)`` windows in seconds since the tier was opened during which
+  every call raises :class:`~lmkv.errors.TierUnavailableError` (a backend that is down).
+
+Injected corruption is caught the way a page crossing a process or device boundary is:
+by its checksum. Every fault is counted in the wrapped tier's stats.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from lmkv.errors import PageError, ShortReadError, TierUnavailableError
+from lmkv.layout import GroupLayout
+from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, verify_payload, verify_units
+from lmkv.tiers.base import Range, Tier, WriteSession
+
+
+class FaultSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    missing_rate: float = Field(0.0, ge=0, le=1)
+    corrupt_rate: float = Field(0.0, ge=0, le=1)
+    short_read_rate: float = Field(0.0, ge=0, le=1)
+    delay_ms: float = Field(0.0, ge=0)
+    outages: list[tuple[float, float]] = Field(default_factory=list)
+    seed: int = 0
+
+
+class FaultyTier(Tier):
+    def __init__(self, inner: Tier, spec: FaultSpec) -> None:
+        super().__init__(inner.name)
+        self.inner = inner
+        self.spec = spec
+        self.stats = inner.stats  # one set of counters for the tier, faults included
+        self._rng = random.Random(spec.seed)
+        self._rng_lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self.injected = {"missing": 0, "corrupt": 0, "short": 0, "outage": 0}
+
+    def _draw(self) -> float:
+        with self._rng_lock:
+            return self._rng.random()
+
+    def _gate(self) -> None:
+        if self.spec.delay_ms:
+            time.sleep(self.spec.delay_ms / 1000)
+        now = time.monotonic() - self._t0
+        if any(a <= now < b for a, b in self.spec.outages):
+            self.injected["outage"] += 1
+            raise TierUnavailableError(f"{self.name}: injected outage")
+
+    def _fault(self) -> str | None:
+        r = self._draw()
+        for kind, rate in (("missing", self.spec.missing_rate), ("corrupt", self.spec.corrupt_rate),
+                           ("short", self.spec.short_read_rate)):
+            if r < rate:
+                return kind
+            r -= rate
+        return None
+
+    def _spoil(self, kind: str, out, check) -> None:
+        """Damage what was read, then run the boundary check that must catch it."""
+        dst = np.frombuffer(as_bytes_view(out), np.uint8)
+        self.injected[kind] += 1
+        try:
+            if kind == "corrupt":
+                dst[self._draw_index(len(dst))] ^= 0x40
+                check(dst)
+            else:
+                raise ShortReadError(f"{self.name}: injected short read")
+        except PageError:
+            self.stats.corrupt += kind == "corrupt"
+            self.stats.errors += kind == "short"
+            raise
+
+    def _draw_index(self, n: int) -> int:
+        with self._rng_lock:
+            return self._rng.randrange(n)
+
+    # -- Tier --------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        self._gate()
+        return self.inner.contains(keys)
+
+    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        self._gate()
+        results: list[PageHeader | None] = []
+        for key, out in zip(keys, outs):
+            kind = self._fault()
+            if kind == "missing":
+                self.injected["missing"] += 1
+                self.stats.misses += 1
+                results.append(None)
+                continue
+            (h,) = self.inner.get([key], layout, [out])
+            if h is not None and kind is not None:
+                try:
+                    self._spoil(kind, out, lambda d, h=h: verify_payload(h, layout, d))
+                except PageError:
+                    h = None
+            results.append(h)
+        return results
+
+    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+        self._gate()
+        kind = self._fault()
+        if kind == "missing":
+            self.injected["missing"] += 1
+            return None
+        h = self.inner.read_ranges(key, layout, ranges, out)
+        if h is not None and kind is not None:
+            try:
+                self._spoil(kind, out, lambda d: verify_units(h, layout, d, units_in_ranges(layout, ranges)))
+            except PageError:
+                return None
+        return h
+
+    def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
+        self._gate()
+        return self.inner.put(pages, domain)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.inner.delete(keys)
+
+    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> WriteSession:
+        self._gate()
+        return self.inner.open_session(keys, layouts, domain)
+
+    def clear(self, domain: str) -> int:
+        return self.inner.clear(domain)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.inner.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.inner.capacity_bytes
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def close(self) -> None:
+        self.inner.close()
