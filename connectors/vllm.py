@@ -147,11 +147,14 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
                 store or self.mirror, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace
             )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                # vLLM reads the policy right after building this connector: a failed lmkv load
+                # must cost a recompute, never a failed request.
                 log.warning(
-                    "lmkv: kv_load_failure_policy=%r fails requests whose load fails; "
-                    "set kv_load_failure_policy='recompute' to recompute them instead",
+                    "lmkv: kv_load_failure_policy=%r would fail every request whose load fails; "
+                    "lmkv sets it to 'recompute'",
                     self._kv_transfer_config.kv_load_failure_policy,
                 )
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
         for layout in self.groups:
             log.info("lmkv: %s", layout.describe())
 

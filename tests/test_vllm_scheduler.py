@@ -39,14 +39,14 @@ def model_config(tmp_path_factory):
     return ModelConfig(model=str(path), dtype="bfloat16", seed=0, skip_tokenizer_init=True, max_model_len=1024)
 
 
-def vllm_config(model_config, lmkv: dict):
+def vllm_config(model_config, lmkv: dict, policy: str = "recompute"):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig, VllmConfig
 
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
     cc = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True)
     kvt = KVTransferConfig(kv_connector="LMKVConnector", kv_connector_module_path="lmkv.connectors.vllm",
-                           kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=lmkv)
+                           kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=lmkv)
     return VllmConfig(scheduler_config=sc, model_config=model_config, cache_config=cc,
                       kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
 
@@ -54,7 +54,7 @@ def vllm_config(model_config, lmkv: dict):
 class Harness:
     """A real Scheduler plus one worker-side connector over CPU KV tensors, in one process."""
 
-    def __init__(self, model_config, lmkv: dict, num_blocks: int = 64) -> None:
+    def __init__(self, model_config, lmkv: dict, num_blocks: int = 64, policy: str = "recompute") -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -62,7 +62,7 @@ class Harness:
 
         from lmkv.connectors.vllm import LMKVConnector
 
-        self.cfg = vllm_config(model_config, lmkv)
+        self.cfg = vllm_config(model_config, lmkv, policy)
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                              kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
@@ -239,3 +239,12 @@ def test_partial_hit_and_load_errors_are_recomputed(harness):
         h.step()
     h.check_kv(b, 110)
     assert h.worker.worker.stats.totals.failed_pages == 1
+
+
+def test_fail_policy_is_turned_into_recompute(model_config):
+    h = Harness(model_config, {"memory": {"capacity": "64MiB"}}, policy="fail")
+    try:
+        assert h.sched.recompute_kv_load_failures
+        assert h.cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
+    finally:
+        h.close()
