@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -61,10 +62,11 @@ class LMKVWorkerMeta(KVConnectorWorkerMetadata):
     """What the workers' memory tiers gained and lost this step (for the scheduler's mirror)."""
 
     delta: ResidencyDelta = field(default_factory=ResidencyDelta)
+    failed_chains: list[bytes] = field(default_factory=list)  # pages whose load failed: quarantine them
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, LMKVWorkerMeta):
-            return LMKVWorkerMeta(self.delta.merge(other.delta))
+            return LMKVWorkerMeta(self.delta.merge(other.delta), self.failed_chains + other.failed_chains)
         return self
 
 
@@ -143,8 +145,12 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self.mirror = ResidencyMirror([DiskView(self.cfg.disk.path)] if self.cfg.disk.path else [])
             else:
                 self._owned_scope = self._scope
+            # vLLM recovers a failed layerwise load per block only with one cache group; with
+            # several it needs the request-level path of asynchronous loads.
+            async_loads = self.cfg.load_mode == "async" or (self.cfg.load_mode == "auto" and len(self.groups) > 1)
             self.scheduler = OffloadScheduler(
-                store or self.mirror, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace
+                store or self.mirror, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace,
+                async_loads=async_loads, quarantine_seconds=self.cfg.quarantine_seconds,
             )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # vLLM reads the policy right after building this connector: a failed lmkv load
@@ -168,7 +174,8 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         st = self.scheduler.track(request.request_id, _salt(request), _spans(request))
         self._requests[request.request_id] = request
-        return self.scheduler.lookup(st, request.all_token_ids, num_computed_tokens), False
+        n = self.scheduler.lookup(st, request.all_token_ids, num_computed_tokens)
+        return n, self.scheduler.async_loads and n > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
@@ -250,8 +257,11 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if self.mirror is not None and isinstance(meta, LMKVWorkerMeta):
-            self.mirror.apply(meta.delta)
+        if isinstance(meta, LMKVWorkerMeta):
+            if self.mirror is not None:
+                self.mirror.apply(meta.delta)
+            if self.scheduler is not None and meta.failed_chains:
+                self.scheduler.quarantine(meta.failed_chains)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layer_names: dict[str, tuple[int, int]] = {}
@@ -286,6 +296,13 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.end()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Requests whose asynchronous load finished; a failed one is recomputed from scratch."""
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self.worker.transfer_results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
 
@@ -293,7 +310,8 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             return None
         delta = self._residency_log.drain()
-        return LMKVWorkerMeta(delta) if delta else None
+        failed = self.worker.take_failed_chains()
+        return LMKVWorkerMeta(delta, failed) if delta or failed else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.worker is None:

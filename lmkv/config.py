@@ -87,6 +87,16 @@ class LMKVConfig(_Section):
     namespace: str = Field("default", min_length=1, max_length=256, description="tenant; part of every key")
     domain: str = Field("engine", min_length=1, max_length=256, description="residency domain that owns what this process stores")
     model_id: str | None = Field(None, description="model identity for keys; engines fill it in")
+    load_mode: Literal["auto", "layerwise", "async"] = Field(
+        "auto",
+        description="layerwise: loads run inside the step, layer by layer, a failed page recomputes "
+        "from that page on; async: the request waits while its pages load in the background and a "
+        "failed load recomputes the request; auto: layerwise unless the engine can only recover "
+        "failures per request (several cache groups in vLLM)",
+    )
+    quarantine_seconds: float = Field(
+        30.0, ge=0, description="how long a page whose load failed is not offered again"
+    )
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)

@@ -24,8 +24,9 @@ class PageOp:
 
 @dataclass
 class StepPlan:
-    loads: list[PageOp] = field(default_factory=list)
+    loads: list[PageOp] = field(default_factory=list)  # layerwise, during this step's forward
+    async_loads: list[PageOp] = field(default_factory=list)  # in the background; the request waits
     stores: list[PageOp] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.stores)
+        return bool(self.loads or self.async_loads or self.stores)

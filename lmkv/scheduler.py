@@ -20,6 +20,7 @@ finished request's blocks need no holding.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -80,8 +81,13 @@ class OffloadScheduler:
         tokens_per_page: int,
         model_id: str,
         namespace: str,
+        async_loads: bool = False,
+        quarantine_seconds: float = 30.0,
     ) -> None:
         self.store = store
+        self.async_loads = async_loads
+        self.quarantine_seconds = quarantine_seconds
+        self._quarantine: dict[bytes, float] = {}  # chain hash -> when it may be offered again
         self.groups = list(groups)
         self.tpp = tokens_per_page
         self.model_id = model_id
@@ -108,7 +114,7 @@ class OffloadScheduler:
         if max_pages <= local:
             return 0
         st.seq.extend(tokens[: max_pages * self.tpp])
-        hit = max_pages - local
+        hit = self._unquarantined(st.seq.chains, local, max_pages) - local
         for layout in self.groups:
             if hit == 0:
                 break
@@ -116,6 +122,20 @@ class OffloadScheduler:
         st.hit_pages = hit
         self.stats.lookups += 1
         return hit * self.tpp
+
+    def _unquarantined(self, chains: Sequence[bytes], start: int, end: int) -> int:
+        """The first page in ``[start, end)`` whose load failed recently (or ``end``)."""
+        if not self._quarantine:
+            return end
+        now = time.monotonic()
+        self._quarantine = {c: t for c, t in self._quarantine.items() if t > now}
+        return next((p for p in range(start, end) if chains[p] in self._quarantine), end)
+
+    def quarantine(self, chains: Iterable[bytes]) -> None:
+        """Pages whose load failed: not offered again for a while, so a retry recomputes them."""
+        until = time.monotonic() + self.quarantine_seconds
+        for c in chains:
+            self._quarantine[c] = until
 
     def allocated(self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
         """The engine gave the request its blocks; plan the load of ``num_external_tokens``."""
@@ -139,6 +159,11 @@ class OffloadScheduler:
     def build_plan(self, scheduled: Iterable[Scheduled], block_ids_of: Callable[[str], Sequence[Sequence[int]]]) -> StepPlan:
         """Loads allocated since the last step, and stores of every page this step completes."""
         plan = StepPlan()
+        if self.async_loads:  # those requests wait for their load instead of running this step
+            for st in self.requests.values():
+                if st.pending_loads:
+                    plan.async_loads.extend(st.pending_loads)
+                    st.pending_loads = []
         planned: set[bytes] = set()  # two requests completing the same page in one step store it once
         for s in scheduled:
             st = self.requests.get(s.req_id)
@@ -184,7 +209,9 @@ class OffloadScheduler:
         """Compute finished; returns whether the engine must hold the request's blocks.
 
         The request's last full page was planned in the step that computed it and
-        copied out before that step ended, so nothing reads its blocks any more.
+        copied out before that step ended, so stores never need the blocks held. (A
+        request aborted during an asynchronous load keeps its blocks until the workers
+        report the load finished: vLLM itself holds those.)
         """
         self.requests.pop(req_id, None)
         return False

@@ -15,11 +15,19 @@ For each step the engine adapter calls, in order:
 
 A page that cannot be fetched (missing, corrupt, short, tier down) marks its
 blocks as load errors; the engine recomputes exactly those tokens.
+
+Asynchronous loads (the request waits instead of running) are fetched and
+copied into their blocks entirely on the store's I/O threads;
+:meth:`LayerwiseTransfer.transfer_results` reports the requests whose load
+completed and those whose load failed (the engine recomputes them whole). The
+chain hashes of pages that failed are reported too, so the scheduler stops
+offering them for a while.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -69,6 +77,7 @@ class WorkerStats:
 class _GroupLoad:
     block_ids: list[int]
     future: Future
+    chains: list[bytes]
     fetched: Fetched | None = None
     ok: list[bool] = field(default_factory=list)
     pages: list[np.ndarray] = field(default_factory=list)
@@ -109,6 +118,9 @@ class LayerwiseTransfer:
         self._stores: dict[int, _GroupStore] = {}
         self._session: StoreSession | None = None
         self._errors: set[int] = set()
+        self._failed_chains: list[bytes] = []
+        self._failed_lock = threading.Lock()
+        self._async: dict[str, Future] = {}  # request -> its background load (True if every page loaded)
         self._plan = StepPlan()
 
     def keys(self, op: PageOp) -> list[bytes]:
@@ -145,14 +157,61 @@ class LayerwiseTransfer:
             i += len(keys)
 
     def start_loads(self) -> None:
-        by_group: dict[int, tuple[list[bytes], list[int]]] = {}
+        by_group: dict[int, tuple[list[bytes], list[int], list[bytes]]] = {}
         for op in self._plan.loads:
-            keys, blocks = by_group.setdefault(op.group, ([], []))
+            keys, blocks, chains = by_group.setdefault(op.group, ([], [], []))
             keys.extend(self.keys(op))
             blocks.extend(op.block_ids)
-        for g, (keys, blocks) in by_group.items():
+            chains.extend(op.chains)
+        for g, (keys, blocks, chains) in by_group.items():
             if g not in self._loads:
-                self._loads[g] = _GroupLoad(blocks, self.store.submit(self.store.fetch, keys, self.groups[g]))
+                self._loads[g] = _GroupLoad(blocks, self.store.submit(self.store.fetch, keys, self.groups[g]), chains)
+        by_request: dict[str, list[PageOp]] = {}
+        for op in self._plan.async_loads:
+            by_request.setdefault(op.req_id, []).append(op)
+        for rid, ops in by_request.items():
+            if rid not in self._async:
+                self._async[rid] = self.store.submit(self._load_in_background, ops)
+
+    def _load_in_background(self, ops: list[PageOp]) -> bool:
+        """Fetch and copy every layer of a waiting request's pages; whether all of them loaded."""
+        ok = True
+        for op in ops:
+            layout = self.groups[op.group]
+            with self.store.fetch(self.keys(op), layout) as fetched:
+                good = [(b, as_bytes_array(v)) for b, v in zip(op.block_ids, fetched.views) if v is not None]
+                failed = [c for c, v in zip(op.chains, fetched.views) if v is None]
+                if failed:
+                    ok = False
+                    with self._failed_lock:
+                        self._failed_chains.extend(failed)
+                blocks, pages = [b for b, _ in good], [p for _, p in good]
+                for layer in range(layout.num_layers):
+                    self.layers[op.group][layer].scatter(blocks, pages, layout.layer_range(layer)[0])
+            self.stats.add(loaded_pages=len(good), failed_pages=len(failed),
+                           loaded_bytes=len(good) * layout.payload_bytes)
+        return ok
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """Requests whose background load finished, and the subset that failed (to recompute)."""
+        done, failed = set(), set()
+        for rid, fut in list(self._async.items()):
+            if not fut.done():
+                continue
+            del self._async[rid]
+            done.add(rid)
+            try:
+                if not fut.result():
+                    failed.add(rid)
+            except Exception:  # a failing tier must cost a recompute, never the engine
+                log.exception("lmkv: background load of %s failed; recomputing", rid)
+                failed.add(rid)
+        return done, failed
+
+    def take_failed_chains(self) -> list[bytes]:
+        with self._failed_lock:
+            out, self._failed_chains = self._failed_chains, []
+        return out
 
     def _ready(self, g: int) -> _GroupLoad | None:
         load = self._loads.get(g)
@@ -168,6 +227,8 @@ class LayerwiseTransfer:
         load.pages = [as_bytes_array(v) for v in views if v is not None]
         failed = [b for b, ok in zip(load.block_ids, load.ok) if not ok]
         self._errors.update(failed)
+        with self._failed_lock:
+            self._failed_chains.extend(c for c, ok in zip(load.chains, load.ok) if not ok)
         self.stats.add(
             failed_pages=len(failed),
             loaded_pages=len(load.pages),

@@ -189,3 +189,18 @@ def test_failed_loads_are_recomputed_with_identical_tokens(model, tmp_path, faul
             # pages before a failed one were loaded, the rest recomputed: the tokens show it
             # (scrambled KV changes them, see test_outputs_depend_on_the_restored_bytes)
             assert t["failed_pages"] > 0 and t["loaded_pages"] > 0
+
+
+def test_asynchronous_loads_on_the_engine(model, tmp_path):
+    disk = str(tmp_path / "disk")
+    prompts = [prompt(300, seed=50 + i) for i in range(3)]
+    base = {"memory": {"capacity": "256MiB"}, "disk": {"path": disk}, "load_mode": "async"}
+    with engine(model, lmkv=base) as first:
+        expected = generate(first, prompts)
+        assert first.reset_prefix_cache()
+        assert generate(first, prompts) == expected  # waits for its pages, then runs
+        assert lmkv_stats(first)["transfers"]["loaded_pages"] == 27
+    faulty = {**base, "faults": {"disk": {"corrupt_rate": 0.5, "seed": 9}}}
+    with engine(model, lmkv=faulty) as second:  # a failed load recomputes the whole request
+        assert generate(second, prompts) == expected
+        assert lmkv_stats(second)["transfers"]["failed_pages"] > 0

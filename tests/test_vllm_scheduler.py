@@ -121,10 +121,15 @@ class Harness:
 
         so = self.sched.schedule()
         self.forward(so)
+        results = self.worker.get_transfer_results(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
+        meta = self.worker.build_connector_worker_meta()
         self.worker.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
-        kvo = KVConnectorOutput(invalid_block_ids=errors) if errors else None
+        kvo = KVConnectorOutput(
+            finished_recving=results.finished_recving, failed_recving=results.failed_recving,
+            invalid_block_ids=errors, kv_connector_worker_meta=meta,
+        )
         reqs = [self.sched.requests[r] for r in ids]
         # A chunk that ends inside the prompt samples nothing.
         sampled_ids = [[sampled] if r.num_computed_tokens >= r.num_tokens else [] for r in reqs]
@@ -246,5 +251,60 @@ def test_fail_policy_is_turned_into_recompute(model_config):
     try:
         assert h.sched.recompute_kv_load_failures
         assert h.cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
+    finally:
+        h.close()
+
+
+def test_asynchronous_loads(model_config):
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    h = Harness(model_config, {"memory": {"capacity": "64MiB"}, "load_mode": "async"})
+    try:
+        a = h.request("a", tokens(100, 7))
+        h.run(a)
+        assert h.sched.reset_prefix_cache()
+        b = h.request("b", tokens(100, 7), max_tokens=2)
+        h.sched.add_request(b)
+        so = h.step()
+        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not so.num_scheduled_tokens
+        assert [len(op.chains) for op in so.kv_connector_metadata.plan.async_loads] == [6]
+        deadline = time.time() + 30
+        while not b.is_finished() and time.time() < deadline:
+            h.step()
+        assert b.is_finished()
+        h.check_kv(b, 101)
+        assert h.worker.worker.stats.totals.loaded_pages == 6
+    finally:
+        h.close()
+
+
+def test_failed_asynchronous_load_recomputes_the_request_and_quarantines(model_config, tmp_path):
+    import time
+
+    lmkv = {"memory": {"capacity": "64MiB"}, "load_mode": "async", "disk": {"path": str(tmp_path)}}
+    h = Harness(model_config, lmkv)
+    try:
+        a = h.request("a", tokens(100, 8))
+        h.run(a)
+        store = next(iter(live_stores().values()))
+        store.drain()
+        store.memory.delete(store.memory.keys())
+        for f in tmp_path.rglob("*.page"):  # flip a byte of every page file: every load fails
+            data = bytearray(f.read_bytes())
+            data[-100] ^= 1
+            f.write_bytes(bytes(data))
+        assert h.sched.reset_prefix_cache()
+        b = h.request("b", tokens(100, 8), max_tokens=2)
+        h.sched.add_request(b)
+        deadline = time.time() + 30
+        while not b.is_finished() and time.time() < deadline:
+            h.step()
+        assert b.is_finished()
+        h.check_kv(b, 101)  # recomputed from scratch by the fake forward
+        assert h.worker.worker.stats.totals.failed_pages == 6
+        c = h.request("c", tokens(100, 8), max_tokens=1)
+        assert h.sched.connector.get_num_new_matched_tokens(c, 0) == (0, False)  # quarantined
     finally:
         h.close()
