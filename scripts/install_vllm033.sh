@@ -29,7 +29,8 @@ for line in md.requires("vllm") or []:
     print(str(r).split(";")[0])
 PYEOF
 "${PIP[@]}" -r "$VENV/vllm-reqs.txt"
-"${PIP[@]}" --no-deps xgrammar==0.2.8
+# xgrammar's own requirements pull GPU packages; the scheduler only needs it (and tvm-ffi) to import
+"${PIP[@]}" --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.11
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${PIP[@]}" -e ".[test]"
 echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)')"
