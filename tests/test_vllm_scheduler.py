@@ -39,22 +39,24 @@ def model_config(tmp_path_factory):
     return ModelConfig(model=str(path), dtype="bfloat16", seed=0, skip_tokenizer_init=True, max_model_len=1024)
 
 
-def vllm_config(model_config, lmkv: dict, policy: str = "recompute"):
-    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig, VllmConfig
+def vllm_config(model_config, lmkv: dict, policy: str = "recompute", events: bool = False):
+    from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, KVTransferConfig, SchedulerConfig, VllmConfig
 
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024,
                          enable_chunked_prefill=True, is_encoder_decoder=False)
     cc = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True)
     kvt = KVTransferConfig(kv_connector="LMKVConnector", kv_connector_module_path="lmkv.connectors.vllm",
                            kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=lmkv)
+    kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
     return VllmConfig(scheduler_config=sc, model_config=model_config, cache_config=cc,
-                      kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+                      kv_transfer_config=kvt, device_config=DeviceConfig("cpu"), kv_events_config=kv_events)
 
 
 class Harness:
     """A real Scheduler plus one worker-side connector over CPU KV tensors, in one process."""
 
-    def __init__(self, model_config, lmkv: dict, num_blocks: int = 64, policy: str = "recompute") -> None:
+    def __init__(self, model_config, lmkv: dict, num_blocks: int = 64, policy: str = "recompute",
+                 events: bool = False) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -62,7 +64,7 @@ class Harness:
 
         from lmkv.connectors.vllm import LMKVConnector
 
-        self.cfg = vllm_config(model_config, lmkv, policy)
+        self.cfg = vllm_config(model_config, lmkv, policy, events)
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                              kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
@@ -306,5 +308,23 @@ def test_failed_asynchronous_load_recomputes_the_request_and_quarantines(model_c
         assert h.worker.worker.stats.totals.failed_pages == 6
         c = h.request("c", tokens(100, 8), max_tokens=1)
         assert h.sched.connector.get_num_new_matched_tokens(c, 0) == (0, False)  # quarantined
+    finally:
+        h.close()
+
+
+def test_kv_events_name_the_tier_and_the_domain(model_config):
+    h = Harness(model_config, {"memory": {"capacity": "64MiB"}, "domain": "worker-7"}, events=True)
+    try:
+        a = h.request("a", tokens(40, 9), max_tokens=1)
+        h.sched.add_request(a)
+        so = h.sched.schedule()
+        events = list(h.sched.connector.take_events())
+        assert len(events) == 2  # (40 - 1) // 16 full blocks planned for storing
+        assert all(e.medium == "CPU" and e.ownership == "worker-7" and e.group_idx == 0 for e in events)
+        assert [e.token_ids for e in events] == [a.all_token_ids[:16], a.all_token_ids[16:32]]
+        assert events[1].parent_block_hash == events[0].block_hashes[0]
+        assert list(h.sched.connector.take_events()) == []
+        h.forward(so)
+        h.worker.clear_connector_metadata()
     finally:
         h.close()
