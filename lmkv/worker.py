@@ -264,14 +264,11 @@ class LayerwiseTransfer:
     def end(self) -> None:
         """After the forward: finish every layer, commit the stores, release the fetched pages."""
         for g, load in self._loads.items():
-            missed = set(range(self.groups[g].num_layers)) - load.done_layers
-            if missed and self._ready(g) is not None:
-                # The forward ran without these layers loaded: its tokens must be recomputed.
-                self._errors.update(b for b, ok in zip(load.block_ids, load.ok) if ok)
-                for layer in sorted(missed):
-                    self._scatter(g, layer)
-            if load.fetched is not None:
-                load.fetched.release()
+            self._ready(g)
+            if len(load.done_layers) < self.groups[g].num_layers:
+                # The forward ran without (some of) these layers loaded: recompute those tokens.
+                self._errors.update(load.block_ids)
+            load.fetched.release()
         self._loads = {}
         if self._session is not None:
             for g in self._stores:
@@ -294,7 +291,6 @@ class LayerwiseTransfer:
         if self._session is not None:
             self._session.abort()
             self._session = None
-        for load in self._loads.values():
-            fetched = load.fetched if load.fetched is not None else load.future.result()
-            fetched.release()
+        for g in list(self._loads):
+            self._ready(g).fetched.release()
         self._loads, self._stores = {}, {}
