@@ -11,6 +11,7 @@ import importlib
 BENCHES = {
     "tiers": "host-memory and disk tier put/get GB/s beside memcpy and raw file I/O",
     "vllm": "TTFT and a working set over the KV budget on vLLM's CPU engine, vs vLLM and ExampleConnector",
+    "faults": "requests served on vLLM's CPU engine while disk-tier loads fail, vs a fault-free run",
 }
 
 

@@ -147,10 +147,10 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._owned_scope = self._scope
             # vLLM recovers a failed layerwise load per block only with one cache group; with
             # several it needs the request-level path of asynchronous loads.
-            async_loads = self.cfg.load_mode == "async" or (self.cfg.load_mode == "auto" and len(self.groups) > 1)
+            mode = "async" if len(self.groups) > 1 else self.cfg.load_mode
             self.scheduler = OffloadScheduler(
                 store or self.mirror, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace,
-                async_loads=async_loads, quarantine_seconds=self.cfg.quarantine_seconds,
+                load_mode=mode, quarantine_seconds=self.cfg.quarantine_seconds,
             )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # vLLM reads the policy right after building this connector: a failed lmkv load
@@ -175,7 +175,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         st = self.scheduler.track(request.request_id, _salt(request), _spans(request))
         self._requests[request.request_id] = request
         n = self.scheduler.lookup(st, request.all_token_ids, num_computed_tokens)
-        return n, self.scheduler.async_loads and n > 0
+        return n, st.async_load and n > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None

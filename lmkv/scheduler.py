@@ -45,6 +45,8 @@ class RequestState:
     hit_pages: int = 0  # pages lmkv offered beyond those
     stored_upto: int = 0  # pages below this are resident somewhere or planned for storing
     pending_loads: list[PageOp] = field(default_factory=list)
+    async_load: bool = False  # the last lookup's load waits instead of running layerwise
+    pins: list = field(default_factory=list)  # memory pages held for a planned layerwise load
 
 
 @dataclass
@@ -81,13 +83,18 @@ class OffloadScheduler:
         tokens_per_page: int,
         model_id: str,
         namespace: str,
-        async_loads: bool = False,
+        load_mode: str = "auto",
         quarantine_seconds: float = 30.0,
     ) -> None:
+        """``load_mode``: "layerwise", "async", or "auto" — layerwise when every page of the hit is
+        in memory, asynchronous when some must come from a lower tier (a failed layerwise load
+        leaves vLLM's prefix cache holding the failed block until its recompute; an asynchronous
+        one is only cached once it succeeded)."""
         self.store = store
-        self.async_loads = async_loads
+        self.load_mode = load_mode
         self.quarantine_seconds = quarantine_seconds
         self._quarantine: dict[bytes, float] = {}  # chain hash -> when it may be offered again
+        self._released_next: list = []  # memory pins of the loads in the last plan
         self.groups = list(groups)
         self.tpp = tokens_per_page
         self.model_id = model_id
@@ -115,11 +122,15 @@ class OffloadScheduler:
             return 0
         st.seq.extend(tokens[: max_pages * self.tpp])
         hit = self._unquarantined(st.seq.chains, local, max_pages) - local
+        tiers: set[str] = set()
         for layout in self.groups:
             if hit == 0:
                 break
-            hit = min(hit, self.store.lookup(st.seq.keys(layout, local, local + hit)).pages)
+            found = self.store.lookup(st.seq.keys(layout, local, local + hit))
+            hit = min(hit, found.pages)
+            tiers.update(found.tiers[:hit])
         st.hit_pages = hit
+        st.async_load = self.load_mode == "async" or (self.load_mode == "auto" and not tiers <= {"memory"})
         self.stats.lookups += 1
         return hit * self.tpp
 
@@ -151,6 +162,11 @@ class OffloadScheduler:
                 PageOp(req_id, g, chains, list(block_ids[g][first : first + n]), list(range(first, first + n)))
                 for g in range(len(self.groups))
             ]
+            memory = getattr(self.store, "memory", None)
+            if memory is not None and not st.async_load:
+                # Sharing the workers' store: hold the pages until the step that loads them ran,
+                # so nothing evicts them in between (a failed layerwise load is costly, see above).
+                st.pins = [memory.borrow(st.seq.keys(lay, first, first + n), count=False) for lay in self.groups]
             self.stats.loaded_tokens += n * self.tpp
         st.stored_upto = max(st.stored_upto, first + n)
 
@@ -159,11 +175,13 @@ class OffloadScheduler:
     def build_plan(self, scheduled: Iterable[Scheduled], block_ids_of: Callable[[str], Sequence[Sequence[int]]]) -> StepPlan:
         """Loads allocated since the last step, and stores of every page this step completes."""
         plan = StepPlan()
-        if self.async_loads:  # those requests wait for their load instead of running this step
-            for st in self.requests.values():
-                if st.pending_loads:
-                    plan.async_loads.extend(st.pending_loads)
-                    st.pending_loads = []
+        for lease in self._released_next:  # the step that loaded them has run
+            lease.release()
+        self._released_next = []
+        for st in self.requests.values():
+            if st.pending_loads and st.async_load:  # these wait for their load instead of running
+                plan.async_loads.extend(st.pending_loads)
+                st.pending_loads = []
         planned: set[bytes] = set()  # two requests completing the same page in one step store it once
         for s in scheduled:
             st = self.requests.get(s.req_id)
@@ -171,6 +189,8 @@ class OffloadScheduler:
                 continue
             plan.loads.extend(st.pending_loads)
             st.pending_loads = []
+            self._released_next.extend(st.pins)
+            st.pins = []
             full = min(s.computed_after_step, len(s.tokens)) // self.tpp
             if full > st.stored_upto:
                 st.seq.extend(s.tokens[: full * self.tpp])
@@ -213,5 +233,8 @@ class OffloadScheduler:
         request aborted during an asynchronous load keeps its blocks until the workers
         report the load finished: vLLM itself holds those.)
         """
-        self.requests.pop(req_id, None)
+        st = self.requests.pop(req_id, None)
+        if st is not None:
+            for lease in st.pins:
+                lease.release()
         return False

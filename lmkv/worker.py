@@ -50,6 +50,7 @@ class TransferCounts:
     loaded_pages: int = 0
     loaded_bytes: int = 0
     failed_pages: int = 0
+    recomputed_tokens: int = 0  # tokens lmkv offered but the engine computes because a load failed
     stored_pages: int = 0
     stored_bytes: int = 0
     dropped_pages: int = 0  # stores skipped because memory had no room
@@ -78,6 +79,7 @@ class _GroupLoad:
     block_ids: list[int]
     future: Future
     chains: list[bytes]
+    requests: list[tuple[int, int]]  # (first index, pages) of each request's run in the lists above
     fetched: Fetched | None = None
     ok: list[bool] = field(default_factory=list)
     pages: list[np.ndarray] = field(default_factory=list)
@@ -122,6 +124,7 @@ class LayerwiseTransfer:
         self._failed_lock = threading.Lock()
         self._async: dict[str, Future] = {}  # request -> its background load (True if every page loaded)
         self._plan = StepPlan()
+        self._held: list = []
 
     def keys(self, op: PageOp) -> list[bytes]:
         """This rank's page keys (a sharded group's keys carry the rank's shard)."""
@@ -133,6 +136,8 @@ class LayerwiseTransfer:
     def begin(self, plan: StepPlan) -> None:
         self._abort_leftovers()
         self._plan = plan
+        # Hold this step's memory-resident pages before reserving room for its stores, which may evict.
+        self._held = [self.store.memory.borrow(self.keys(op), count=False) for op in plan.loads]
         by_group: dict[int, tuple[list[bytes], list[int]]] = {}
         for op in plan.stores:
             keys, blocks = by_group.setdefault(op.group, ([], []))
@@ -157,15 +162,17 @@ class LayerwiseTransfer:
             i += len(keys)
 
     def start_loads(self) -> None:
-        by_group: dict[int, tuple[list[bytes], list[int], list[bytes]]] = {}
+        by_group: dict[int, tuple[list[bytes], list[int], list[bytes], list[tuple[int, int]]]] = {}
         for op in self._plan.loads:
-            keys, blocks, chains = by_group.setdefault(op.group, ([], [], []))
+            keys, blocks, chains, runs = by_group.setdefault(op.group, ([], [], [], []))
+            runs.append((len(keys), len(op.chains)))
             keys.extend(self.keys(op))
             blocks.extend(op.block_ids)
             chains.extend(op.chains)
-        for g, (keys, blocks, chains) in by_group.items():
+        for g, (keys, blocks, chains, runs) in by_group.items():
             if g not in self._loads:
-                self._loads[g] = _GroupLoad(blocks, self.store.submit(self.store.fetch, keys, self.groups[g]), chains)
+                future = self.store.submit(self.store.fetch, keys, self.groups[g])
+                self._loads[g] = _GroupLoad(blocks, future, chains, runs)
         by_request: dict[str, list[PageOp]] = {}
         for op in self._plan.async_loads:
             by_request.setdefault(op.req_id, []).append(op)
@@ -174,7 +181,10 @@ class LayerwiseTransfer:
                 self._async[rid] = self.store.submit(self._load_in_background, ops)
 
     def _load_in_background(self, ops: list[PageOp]) -> bool:
-        """Fetch and copy every layer of a waiting request's pages; whether all of them loaded."""
+        """Fetch and copy every layer of a waiting request's pages; whether all of them loaded.
+
+        A request whose load fails is recomputed whole.
+        """
         ok = True
         for op in ops:
             layout = self.groups[op.group]
@@ -190,6 +200,8 @@ class LayerwiseTransfer:
                     self.layers[op.group][layer].scatter(blocks, pages, layout.layer_range(layer)[0])
             self.stats.add(loaded_pages=len(good), failed_pages=len(failed),
                            loaded_bytes=len(good) * layout.payload_bytes)
+        if not ok:
+            self.stats.add(recomputed_tokens=max(len(op.chains) * self.groups[op.group].tokens_per_page for op in ops))
         return ok
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
@@ -227,10 +239,16 @@ class LayerwiseTransfer:
         load.pages = [as_bytes_array(v) for v in views if v is not None]
         failed = [b for b, ok in zip(load.block_ids, load.ok) if not ok]
         self._errors.update(failed)
+        # the engine recomputes each request from its first failed page on
+        recomputed = 0
+        for first, n in load.requests:
+            bad = next((i for i in range(n) if not load.ok[first + i]), n)
+            recomputed += (n - bad) * self.groups[g].tokens_per_page
         with self._failed_lock:
             self._failed_chains.extend(c for c, ok in zip(load.chains, load.ok) if not ok)
         self.stats.add(
             failed_pages=len(failed),
+            recomputed_tokens=recomputed,
             loaded_pages=len(load.pages),
             loaded_bytes=len(load.pages) * self.groups[g].payload_bytes,
         )
@@ -270,6 +288,7 @@ class LayerwiseTransfer:
                 self._errors.update(load.block_ids)
             load.fetched.release()
         self._loads = {}
+        self._release_held()
         if self._session is not None:
             for g in self._stores:
                 for layer in range(self.groups[g].num_layers):
@@ -286,8 +305,14 @@ class LayerwiseTransfer:
         out, self._errors = self._errors, set()
         return out
 
+    def _release_held(self) -> None:
+        for lease in self._held:
+            lease.release()
+        self._held = []
+
     def _abort_leftovers(self) -> None:
         """A step that never reached :meth:`end` (an engine error) leaves nothing behind."""
+        self._release_held()
         if self._session is not None:
             self._session.abort()
             self._session = None

@@ -246,6 +246,7 @@ def test_partial_hit_and_load_errors_are_recomputed(harness):
         h.step()
     h.check_kv(b, 110)
     assert h.worker.worker.stats.totals.failed_pages == 1
+    assert h.worker.worker.stats.totals.recomputed_tokens == (5 - 2) * BLOCK  # from the failed page on
 
 
 def test_fail_policy_is_turned_into_recompute(model_config):
@@ -306,6 +307,7 @@ def test_failed_asynchronous_load_recomputes_the_request_and_quarantines(model_c
         assert b.is_finished()
         h.check_kv(b, 101)  # recomputed from scratch by the fake forward
         assert h.worker.worker.stats.totals.failed_pages == 6
+        assert h.worker.worker.stats.totals.recomputed_tokens == 6 * BLOCK
         c = h.request("c", tokens(100, 8), max_tokens=1)
         assert h.sched.connector.get_num_new_matched_tokens(c, 0) == (0, False)  # quarantined
     finally:
