@@ -7,6 +7,12 @@ faults injected into the disk tier at rate R per class — page gone after the l
 bits flipped in transit, short reads — plus added latency and an outage window where
 the tier is down. Every request must complete with exactly the baseline's tokens; the
 figures say how many did, how many tokens were recomputed and what goodput remained.
+
+The engine runs in float32: a failed page changes how much of a prompt is loaded and how
+much computed, and vLLM's own prefix cache shows that in bfloat16 the rounding of a
+prefill that starts after a short cached prefix can flip a near-tied token several steps
+later (measured here: 2-3 cached blocks flip one request's 4th token, no connector at
+all). float32 leaves wrong outputs to mean wrong bytes.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ def _engine(model: Path, disk: Path, faults: dict | None, max_len: int):
     if faults:
         extra["faults"] = {"disk": faults}
     return LLM(
-        model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
+        model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
         max_model_len=max_len, block_size=32, max_num_batched_tokens=4096, max_num_seqs=8,
         kv_cache_memory_bytes=512 << 20, worker_extension_cls="lmkv.connectors.vllm.LMKVWorkerExtension",
         kv_transfer_config=KVTransferConfig(
@@ -90,7 +96,7 @@ def run(quick: bool, directory: str | None = None) -> Report:
               "delay_ms": 1.0, "outages": [[2.0, 2.5]], "seed": 11}
     report = Report("faults", params={
         "requests": len(prompts), "doc_tokens": shape.doc_tokens, "max_tokens": shape.max_tokens,
-        "faults": faults, "model": MODEL,
+        "faults": faults, "model": MODEL, "dtype": "float32",
     })
     root = Path(tempfile.mkdtemp(prefix="lmkv-bench-faults-", dir=directory))
     try:
