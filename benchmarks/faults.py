@@ -17,9 +17,7 @@ all). float32 leaves wrong outputs to mean wrong bytes.
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -27,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmkv.benchmarks.report import Report
+from lmkv.local_engine import close, prepare_env
 from lmkv.tinymodels import make_llama
 
 log = logging.getLogger("lmkv.bench.faults")
@@ -66,12 +65,6 @@ def _engine(model: Path, disk: Path, faults: dict | None, max_len: int):
     )
 
 
-def _close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -81,10 +74,7 @@ def _generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]
 
 
 def run(quick: bool, directory: str | None = None) -> Report:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    prepare_env()
     shape = QUICK if quick else FULL
     model = make_llama("lmkv-demo", **MODEL)
     vocab = MODEL["vocab_size"]
@@ -103,7 +93,7 @@ def run(quick: bool, directory: str | None = None) -> Report:
         log.info("writing %d documents' pages to the disk tier", len(docs))
         llm = _engine(model, root / "prepared", None, max_len)
         _generate(llm, docs, 1)
-        _close(llm)
+        close(llm)
 
         log.info("fault-free run")
         shutil.copytree(root / "prepared", root / "clean")
@@ -111,7 +101,7 @@ def run(quick: bool, directory: str | None = None) -> Report:
         t0 = time.perf_counter()
         reference = _generate(llm, prompts, shape.max_tokens)
         clean_s = time.perf_counter() - t0
-        _close(llm)
+        close(llm)
 
         log.info("faults at rate %.2f per class", shape.rate)
         shutil.copytree(root / "prepared", root / "faulty")
@@ -130,7 +120,7 @@ def run(quick: bool, directory: str | None = None) -> Report:
 
             for store in live_stores().values():
                 injected = dict(store.tiers[1].injected)
-        _close(llm)
+        close(llm)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

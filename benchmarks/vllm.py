@@ -16,9 +16,7 @@ TTFT is the wall time of a one-token generation; hit figures are medians of repe
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
 import shutil
 import statistics
 import tempfile
@@ -26,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmkv.local_engine import close, prepare_env
 from lmkv.tinymodels import LLAMA_BENCH, make_llama
 
 from lmkv.benchmarks.report import Report
@@ -95,9 +94,8 @@ class Variant:
         return time.perf_counter() - t0, outs
 
     def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+        close(self.llm)
         del self.llm
-        gc.collect()
 
 
 def _lmkv_transfer(disk: Path, memory: str):
@@ -145,10 +143,7 @@ def _median_hit(variant: Variant, tokens: list[int], repeats: int, before) -> tu
 
 
 def run(quick: bool, directory: str | None = None) -> Report:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    prepare_env()
     shape = QUICK if quick else FULL
     vocab = shape.model["vocab_size"]
     root = Path(tempfile.mkdtemp(prefix="lmkv-bench-vllm-", dir=directory))

@@ -11,8 +11,6 @@ TTFT is the wall time of a one-token generation, so it is prefill plus one step.
 
 from __future__ import annotations
 
-import gc
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from lmkv.local_engine import close, prepare_env
 from lmkv.tinymodels import make_llama
 
 DEMO_MODEL = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
@@ -65,17 +64,8 @@ def _ttft(llm, tokens: list[int]) -> tuple[float, list[int]]:
     return time.perf_counter() - t0, list(out[0].outputs[0].token_ids)
 
 
-def _close(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 def run(args: DemoArgs) -> int:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    prepare_env()
     console = Console()
     disk = args.disk or tempfile.mkdtemp(prefix="lmkv-demo-disk-")
     docs = [[(i * 31 + d * 977) % 2000 + 3 for i in range(args.doc_tokens)] for d in range(args.docs)]
@@ -105,7 +95,7 @@ def run(args: DemoArgs) -> int:
             rows[d].append(_ttft(llm, ask(d, 1))[0])
             progress.advance(task)
         memory_stats = llm.collective_rpc("lmkv_stats")[0]
-        _close(llm)
+        close(llm)
         task = progress.add_task("pass 3: fresh engine (lmkv disk)", total=args.docs)
         llm = _engine(model, disk, args.doc_tokens)
         for d in range(args.docs):
@@ -114,7 +104,7 @@ def run(args: DemoArgs) -> int:
             same &= toks == cold_tokens[d]
             progress.advance(task)
         disk_stats = llm.collective_rpc("lmkv_stats")[0]
-        _close(llm)
+        close(llm)
 
     table = Table(title=f"TTFT, {args.doc_tokens}-token documents + a 24-token question")
     for col in ("document", "cold", "warm: lmkv memory", "fresh engine: lmkv disk", "speed-up (memory / disk)"):
