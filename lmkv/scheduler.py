@@ -157,11 +157,14 @@ class OffloadScheduler:
         first = st.local_pages
         st.pending_loads = []
         if n:
-            chains = st.seq.chains[first : first + n]
-            st.pending_loads = [
-                PageOp(req_id, g, chains, list(block_ids[g][first : first + n]), list(range(first, first + n)))
-                for g in range(len(self.groups))
-            ]
+            st.pending_loads = []
+            for g in range(len(self.groups)):
+                # A group may hold no block for some pages (a sliding window's skipped blocks).
+                want = [p for p in range(first, first + n) if block_ids[g][p] != NULL_BLOCK]
+                if want:
+                    st.pending_loads.append(PageOp(
+                        req_id, g, [st.seq.chains[p] for p in want], [block_ids[g][p] for p in want], want,
+                    ))
             memory = getattr(self.store, "memory", None)
             if memory is not None and not st.async_load:
                 # Sharing the workers' store: hold the pages until the step that loads them ran,

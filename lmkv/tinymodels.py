@@ -57,3 +57,25 @@ def make_llama(
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(json.dumps(want))
     return out
+
+
+def make_gemma2(name: str = "gemma2-tiny", root: Path | None = None, seed: int = 0, init_std: float = 0.3) -> Path:
+    """A Gemma-2 checkpoint: alternating sliding-window (64 tokens) and global attention layers,
+    so vLLM runs it with two KV cache groups."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    spec = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=64,
+                max_position_embeddings=4096)
+    out = (root or default_cache_dir()) / name
+    stamp = out / "lmkv-model.json"
+    want = {"spec": spec, "seed": seed, "init_std": init_std, "arch": "gemma2"}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return out
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(Gemma2Config(**spec, initializer_range=init_std, torch_dtype="bfloat16")).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps(want))
+    return out

@@ -204,3 +204,20 @@ def test_asynchronous_loads_on_the_engine(model, tmp_path):
     with engine(model, lmkv=faulty) as second:  # a failed load recomputes the whole request
         assert generate(second, prompts) == expected
         assert lmkv_stats(second)["transfers"]["failed_pages"] > 0
+
+
+def test_two_cache_groups_sliding_window_and_global(tmp_path):
+    """Gemma-2 runs with a sliding-window group and a global group: both are stored and loaded
+    (asynchronously: vLLM recovers failures of multi-group loads only per request). The
+    sliding-window group loads only the blocks the engine keeps: the last 64-token window."""
+    from lmkv.tinymodels import make_gemma2
+
+    model = str(make_gemma2(root=tmp_path))
+    with engine(model, lmkv={"memory": {"capacity": "256MiB"}}) as e:
+        p = prompt(300, seed=60)
+        expected = generate(e, [p], salt="cold")
+        assert generate(e, [p]) == expected
+        assert e.reset_prefix_cache()
+        before = loaded(e)
+        assert generate(e, [p]) == expected
+        assert loaded(e) - before == 9 + 64 // BLOCK  # global: 9 full blocks; window: 2
