@@ -124,10 +124,15 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.model_id = self.cfg.model_id or f"{model.model}@{model.revision or ''}"
         tp_size, tp_rank = _tp(vllm_config, role)
         self.group_ids = transfer_group_ids(kv_cache_config)
-        self.groups = group_layouts(kv_cache_config, tp_size, tp_rank)
-        sizes = {g.tokens_per_page for g in self.groups}
-        if len(sizes) > 1:
-            raise NotImplementedError(f"lmkv: cache groups with different block sizes {sorted(sizes)}")
+        try:
+            self.groups = group_layouts(kv_cache_config, tp_size, tp_rank)
+            sizes = {g.tokens_per_page for g in self.groups}
+            if len(sizes) > 1:
+                raise NotImplementedError(f"cache groups with different block sizes {sorted(sizes)}")
+        except NotImplementedError as e:
+            # Restoring some groups of a model but not others would produce wrong tokens: serve nothing.
+            log.warning("lmkv: not caching this model's KV (%s); the engine runs as without lmkv", e)
+            self.group_ids, self.groups, sizes = [], [], set()
         self.tokens_per_page = sizes.pop() if sizes else vllm_config.cache_config.block_size
         self._scope = f"{self._kv_transfer_config.engine_id}/tp{tp_rank}"
         self._requests: dict[str, Request] = {}

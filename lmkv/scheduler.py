@@ -118,7 +118,7 @@ class OffloadScheduler:
         max_pages = (len(tokens) - 1) // self.tpp  # the engine must compute at least one token
         local = num_computed_tokens // self.tpp
         st.local_pages, st.hit_pages = local, 0
-        if max_pages <= local:
+        if max_pages <= local or not self.groups:
             return 0
         st.seq.extend(tokens[: max_pages * self.tpp])
         hit = self._unquarantined(st.seq.chains, local, max_pages) - local

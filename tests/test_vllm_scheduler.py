@@ -81,7 +81,8 @@ class Harness:
         self.sched.connector.shutdown()
         self.worker.shutdown()
 
-    def request(self, rid: str, tokens: list[int], max_tokens: int = 3):
+    @staticmethod
+    def request(rid: str, tokens: list[int], max_tokens: int = 3):
         from vllm import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -330,3 +331,22 @@ def test_kv_events_name_the_tier_and_the_domain(model_config):
         h.worker.clear_connector_metadata()
     finally:
         h.close()
+
+
+def test_a_model_lmkv_cannot_restore_whole_is_served_nothing(model_config):
+    """Groups with different block sizes (e.g. attention + Mamba with prefix caching on) are not
+    handled yet: restoring some groups and not others would be wrong, so lmkv offers no hit."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from lmkv.connectors.vllm import LMKVConnector
+
+    cfg = vllm_config(model_config, {"memory": {"capacity": "16MiB"}})
+    groups = [KVCacheGroupSpec([LAYERS[0]], FullAttentionSpec(block_size=16, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)),
+              KVCacheGroupSpec([LAYERS[1]], FullAttentionSpec(block_size=32, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16))]
+    conn = LMKVConnector(cfg, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
+    try:
+        req = Harness.request("r", tokens(100, 1))
+        assert conn.groups == [] and conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    finally:
+        conn.shutdown()
