@@ -305,7 +305,9 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Requests whose asynchronous load finished; a failed one is recomputed from scratch."""
         if self.worker is None:
             return KVConnectorTransferResults()
-        done, failed = self.worker.transfer_results()
+        meta = self._connector_metadata
+        idle = isinstance(meta, LMKVConnectorMetadata) and not meta.plan and not self.worker.layers_touched
+        done, failed = self.worker.transfer_results(idle=idle)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

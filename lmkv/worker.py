@@ -26,6 +26,7 @@ offering them for a while.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,9 @@ from lmkv.plan import PageOp, StepPlan
 from lmkv.store import Fetched, StoreSession, TieredStore
 
 log = logging.getLogger(__name__)
+
+#: how long a step with nothing else to do waits for a background load to finish
+IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -125,6 +129,7 @@ class LayerwiseTransfer:
         self._async: dict[str, Future] = {}  # request -> its background load (True if every page loaded)
         self._plan = StepPlan()
         self._held: list = []
+        self.layers_touched = False
 
     def keys(self, op: PageOp) -> list[bytes]:
         """This rank's page keys (a sharded group's keys carry the rank's shard)."""
@@ -136,6 +141,7 @@ class LayerwiseTransfer:
     def begin(self, plan: StepPlan) -> None:
         self._abort_leftovers()
         self._plan = plan
+        self.layers_touched = False  # whether this step ran a forward (its layer hooks)
         # Hold this step's memory-resident pages before reserving room for its stores, which may evict.
         self._held = [self.store.memory.borrow(self.keys(op), count=False) for op in plan.loads]
         by_group: dict[int, tuple[list[bytes], list[int]]] = {}
@@ -204,8 +210,15 @@ class LayerwiseTransfer:
             self.stats.add(recomputed_tokens=max(len(op.chains) * self.groups[op.group].tokens_per_page for op in ops))
         return ok
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
-        """Requests whose background load finished, and the subset that failed (to recompute)."""
+    def transfer_results(self, idle: bool = False) -> tuple[set[str], set[str]]:
+        """Requests whose background load finished, and the subset that failed (to recompute).
+
+        ``idle``: the engine had nothing to run this step and will ask again at once; waiting
+        here briefly for a load to finish keeps that loop from starving the loads of the GIL.
+        """
+        if idle and self._async:
+            concurrent.futures.wait(list(self._async.values()), timeout=IDLE_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
         done, failed = set(), set()
         for rid, fut in list(self._async.items()):
             if not fut.done():
@@ -270,11 +283,13 @@ class LayerwiseTransfer:
         st.done_layers.add(layer)
 
     def before_layer(self, name: str) -> None:
+        self.layers_touched = True
         where = self.layer_names.get(name)
         if where is not None and self._loads:
             self._scatter(*where)
 
     def after_layer(self, name: str) -> None:
+        self.layers_touched = True
         where = self.layer_names.get(name)
         if where is not None and self._stores:
             self._gather(*where)
