@@ -19,7 +19,6 @@ finished request's blocks need no holding.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ from lmkv.plan import PageOp, StepPlan
 from lmkv.sequence import SequenceKeys, Span
 from lmkv.store import Lookup
 
-log = logging.getLogger(__name__)
-
 #: engine block id that marks "no block" (vLLM's null block; skipped windows)
 NULL_BLOCK = 0
 
@@ -42,7 +39,6 @@ class RequestState:
     req_id: str
     seq: SequenceKeys
     local_pages: int = 0  # pages the engine had itself at the last lookup
-    hit_pages: int = 0  # pages lmkv offered beyond those
     stored_upto: int = 0  # pages below this are resident somewhere or planned for storing
     pending_loads: list[PageOp] = field(default_factory=list)
     async_load: bool = False  # the last lookup's load waits instead of running layerwise
@@ -117,7 +113,7 @@ class OffloadScheduler:
         """Tokens beyond ``num_computed_tokens`` that lmkv can load (whole pages; never the last token)."""
         max_pages = (len(tokens) - 1) // self.tpp  # the engine must compute at least one token
         local = num_computed_tokens // self.tpp
-        st.local_pages, st.hit_pages = local, 0
+        st.local_pages = local
         if max_pages <= local or not self.groups:
             return 0
         st.seq.extend(tokens[: max_pages * self.tpp])
@@ -129,7 +125,6 @@ class OffloadScheduler:
             found = self.store.lookup(st.seq.keys(layout, local, local + hit))
             hit = min(hit, found.pages)
             tiers.update(found.tiers[:hit])
-        st.hit_pages = hit
         st.async_load = self.load_mode == "async" or (self.load_mode == "auto" and not tiers <= {"memory"})
         self.stats.lookups += 1
         return hit * self.tpp
