@@ -34,7 +34,7 @@ from lmkv.faults import FaultyTier
 from lmkv.layout import GroupLayout
 from lmkv.metrics import Metrics
 from lmkv.page import PageHeader, make_header
-from lmkv.tiers.base import Range, Tier, WriteSession
+from lmkv.tiers.base import Tier, WriteSession
 from lmkv.tiers.disk import DiskTier
 from lmkv.tiers.memory import MemoryTier
 
@@ -170,21 +170,11 @@ class TieredStore:
                     for i, h in zip(here, got):
                         results[i] = h
                     if depth > 0 and self.cfg.store.promote_on_hit:
-                        self._promote([(h, outs[i]) for i, h in zip(here, got) if h is not None])
+                        promote = [(h, outs[i]) for i, h in zip(here, got) if h is not None]
+                        if promote:
+                            self.memory.put(promote, self.domain)
                 todo = [i for i in todo if results[i] is None]
             return results
-
-    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
-        """Read some units of one page (e.g. a layer) from the fastest tier that has it."""
-        for tier in self.tiers:
-            try:
-                if tier.contains([key])[0]:
-                    h = tier.read_ranges(key, layout, ranges, out)
-                    if h is not None:
-                        return h
-            except (LMKVError, OSError) as err:
-                _tier_failed(tier, "read", err)
-        return None
 
     def fetch(self, keys: Sequence[bytes], layout: GroupLayout) -> Fetched:
         """Host views of pages for an engine load, pinned until released; ``None`` where a page failed.
@@ -206,11 +196,15 @@ class TieredStore:
             source: dict[int, Tier] = {i: by_name[n] for i, n in names.items() if n is not None}
             missing = [i for i in missing if i in source]
             want = [keys[i] for i in missing]
-            try:
-                session = self.memory.open_session(want, [layout] * len(want), self.domain)
+            session = None
+            if self.cfg.store.promote_on_hit:
+                try:
+                    session = self.memory.open_session(want, [layout] * len(want), self.domain)
+                except TierFullError:
+                    pass
+            if session is not None:
                 bufs = [session.buffer(j) for j in range(len(want))]
-            except TierFullError:
-                session = None
+            else:
                 bufs = [np.empty(layout.payload_bytes, np.uint8) for _ in want]
             headers: list[PageHeader | None] = [None] * len(want)
             for tier in {id(t): t for t in source.values()}.values():
@@ -223,23 +217,14 @@ class TieredStore:
                 for j, h in zip(js, got):
                     headers[j] = h
             leases = [lease]
-            if session is not None and self.cfg.store.promote_on_hit:
+            if session is not None:
                 session.commit(headers)
                 promoted = self.memory.borrow(want, count=False)
                 leases.append(promoted)
-                for i, j in zip(missing, range(len(want))):
-                    views[i] = promoted.views[j] if headers[j] is not None else None
-            else:
-                if session is not None:
-                    session.abort()
-                    bufs = [np.array(b) if h is not None else None for b, h in zip(bufs, headers)]
-                for i, (b, h) in zip(missing, zip(bufs, headers)):
-                    views[i] = b if h is not None else None
+                bufs = promoted.views
+            for i, b, h in zip(missing, bufs, headers):
+                views[i] = b if h is not None else None
             return Fetched(views, leases)
-
-    def _promote(self, pages: list[tuple[PageHeader, object]]) -> None:
-        if pages:
-            self.memory.put(pages, self.domain)
 
     # -- writes ------------------------------------------------------------
 

@@ -195,3 +195,14 @@ def test_write_back_flushes_memory_to_disk_on_close(tmp_path, layout):
         outs = [np.zeros_like(p) for p in payloads]
         assert all(h is not None for h in again.get(keys, layout, outs))
         assert all((o == p).all() for o, p in zip(outs, payloads))
+
+
+def test_fetch_without_promotion_reads_into_its_own_buffers(tmp_path, layout):
+    with _store(tmp_path, layout, mem_pages=4, promote_on_hit=False, write_policy="write_through") as st:
+        keys = _prefix_keys(layout, 2)
+        payloads = [random_payload(layout, i) for i in range(2)]
+        st.put(keys, [layout] * 2, payloads)
+        st.memory.delete(keys)  # only the disk has them now
+        with st.fetch(keys, layout) as f:
+            assert all((v == p).all() for v, p in zip(f.views, payloads))
+        assert st.memory.contains(keys) == [False, False] and st.memory.used_bytes == 0
