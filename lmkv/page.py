@@ -68,6 +68,11 @@ class PageHeader:
     def disk_header_bytes(self) -> int:
         return padded(self.header_bytes)
 
+    @property
+    def disk_bytes(self) -> int:
+        """The page's file size: header and payload, each padded to ALIGN."""
+        return self.disk_header_bytes + padded(self.payload_len)
+
     def pack(self) -> bytes:
         fixed = _FIXED.pack(
             MAGIC, VERSION, 0, self.header_bytes, self.num_units,
@@ -77,6 +82,21 @@ class PageHeader:
 
     def unit_digest(self, unit: int) -> int:
         return int.from_bytes(self.digests[8 * unit : 8 * unit + 8], "little")
+
+
+def num_units(layout: GroupLayout) -> int:
+    """(layer, segment) units of a page: one digest each."""
+    return layout.num_layers * len(layout.segments)
+
+
+def disk_header_bytes(layout: GroupLayout) -> int:
+    """A page header of this layout as stored on disk (padded to ALIGN)."""
+    return padded(FIXED_BYTES + 8 * num_units(layout))
+
+
+def disk_page_bytes(layout: GroupLayout) -> int:
+    """The file size of a page of this layout."""
+    return disk_header_bytes(layout) + padded(layout.payload_bytes)
 
 
 def _header_checksum(key: bytes, layout_fp: int, payload_len: int, digests: bytes) -> int:
@@ -114,7 +134,7 @@ def make_header(key: bytes, layout: GroupLayout, payload) -> PageHeader:
         raise ValueError(
             f"group {layout.name!r}: payload has {len(view)} bytes, layout says {layout.payload_bytes}"
         )
-    n_units = layout.num_layers * len(layout.segments)
+    n_units = num_units(layout)
     digests = np.array(_digests(layout, view, range(n_units)), dtype="<u8").tobytes()
     fp = layout.fingerprint
     return PageHeader(key, fp, len(view), digests, _header_checksum(key, fp, len(view), digests))
@@ -144,7 +164,7 @@ def unpack_header(buf, expect_key: bytes | None = None, layout: GroupLayout | No
             raise PageFormatError(
                 f"page layout {fp:#018x} differs from group {layout.name!r} ({layout.fingerprint:#018x})"
             )
-        if plen != layout.payload_bytes or n_units != layout.num_layers * len(layout.segments):
+        if plen != layout.payload_bytes or n_units != num_units(layout):
             raise PageFormatError(f"page size {plen} does not match group {layout.name!r}")
     return PageHeader(key, fp, plen, digests, checksum)
 

@@ -41,8 +41,9 @@ from lmkv.keys import key_hex, parse_key_hex
 from lmkv.layout import GroupLayout
 from lmkv.page import (
     ALIGN,
-    FIXED_BYTES,
     PageHeader,
+    disk_header_bytes,
+    disk_page_bytes,
     as_bytes_view,
     padded,
     unpack_header,
@@ -271,7 +272,7 @@ class DiskTier(LocalTier):
         if e is None:
             self.stats.misses += 1
             return None
-        hdr_bytes = padded(FIXED_BYTES + 8 * layout.num_layers * len(layout.segments))
+        hdr_bytes = disk_header_bytes(layout)
         plen = layout.payload_bytes
         dst = as_bytes_view(out)
         whole = ranges is None
@@ -366,7 +367,7 @@ class DiskTier(LocalTier):
         """Link a flushed temp file into place for ``domain``; under the lock."""
         key = header.key
         bit = self._domains.bit(domain)
-        size = header.disk_header_bytes + padded(header.payload_len)
+        size = header.disk_bytes
         e = self._index.get(key)
         if e is not None:  # a twin was published meanwhile
             tmp.unlink(missing_ok=True)
@@ -395,7 +396,7 @@ class DiskTier(LocalTier):
         e.domains |= self._domains.bit(domain)
 
     def _store(self, header: PageHeader, payload, domain: str, reserved: bool) -> bool:
-        size = header.disk_header_bytes + padded(header.payload_len)
+        size = header.disk_bytes
         try:
             tmp = self._write_tmp(header, payload)
         except OSError as err:
@@ -461,7 +462,7 @@ class DiskTier(LocalTier):
         return list(self._io.map(lambda hp: self._put_one(hp[0], hp[1], domain), pages))
 
     def _put_one(self, header: PageHeader, payload, domain: str) -> bool:
-        size = header.disk_header_bytes + padded(header.payload_len)
+        size = header.disk_bytes
         with self._lock:
             e = self._index.get(header.key)
             if e is not None:
@@ -517,7 +518,7 @@ class DiskSession(WriteSession):
         super().__init__(keys, layouts)
         self._tier = tier
         self._domain = domain
-        self._sizes = [padded(FIXED_BYTES + 8 * lay.num_layers * len(lay.segments)) + padded(lay.payload_bytes) for lay in layouts]
+        self._sizes = [disk_page_bytes(lay) for lay in layouts]
         with tier._lock:
             if not tier._make_room(sum(self._sizes)):
                 tier.stats.full += 1
