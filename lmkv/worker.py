@@ -86,7 +86,8 @@ class _GroupLoad:
     requests: list[tuple[int, int]]  # (first index, pages) of each request's run in the lists above
     fetched: Fetched | None = None
     ok: list[bool] = field(default_factory=list)
-    pages: list[np.ndarray] = field(default_factory=list)
+    pages: list[np.ndarray] = field(default_factory=list)  # the pages that loaded ...
+    good_blocks: list[int] = field(default_factory=list)  # ... and the blocks they go to
     done_layers: set[int] = field(default_factory=set)
 
 
@@ -250,6 +251,7 @@ class LayerwiseTransfer:
         views = load.fetched.views
         load.ok = [v is not None for v in views]
         load.pages = [as_bytes_array(v) for v in views if v is not None]
+        load.good_blocks = [b for b, ok in zip(load.block_ids, load.ok) if ok]
         failed = [b for b, ok in zip(load.block_ids, load.ok) if not ok]
         self._errors.update(failed)
         # the engine recomputes each request from its first failed page on
@@ -271,8 +273,7 @@ class LayerwiseTransfer:
         load = self._ready(g)
         if load is None or layer in load.done_layers:
             return
-        blocks = [b for b, ok in zip(load.block_ids, load.ok) if ok]
-        self.layers[g][layer].scatter(blocks, load.pages, self.groups[g].layer_range(layer)[0])
+        self.layers[g][layer].scatter(load.good_blocks, load.pages, self.groups[g].layer_range(layer)[0])
         load.done_layers.add(layer)
 
     def _gather(self, g: int, layer: int) -> None:
