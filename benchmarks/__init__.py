@@ -12,6 +12,7 @@ BENCHES = {
     "tiers": "host-memory and disk tier put/get GB/s beside memcpy and raw file I/O",
     "vllm": "TTFT and a working set over the KV budget on vLLM's CPU engine, vs vLLM and ExampleConnector",
     "faults": "requests served on vLLM's CPU engine while disk-tier loads fail, vs a fault-free run",
+    "redis": "the Redis tier's put/get GB/s beside raw redis-py SET/GET on a real redis-server",
 }
 
 

@@ -81,6 +81,32 @@ class StoreConfig(_Section):
     io_threads: int = Field(4, ge=1, le=64, description="background I/O threads")
 
 
+class RemoteConfig(_Section):
+    """A network tier below memory and disk: the lmkv server or Redis.
+
+    ``url`` picks it: ``lmkv://host:port`` (``lmkvs://`` for TLS), ``redis://``,
+    ``rediss://`` (TLS), ``unix:///path/redis.sock``, or
+    ``redis-cluster://host:port,host:port`` (``rediss-cluster://`` for TLS).
+    """
+
+    url: str | None = Field(None, description="unset: no network tier")
+    token: str | None = Field(None, description="lmkv server auth token (or LMKV_REMOTE__TOKEN)")
+    username: str | None = Field(None, description="Redis ACL user (a URL may carry it too)")
+    password: str | None = Field(None, description="Redis password (a URL may carry it too)")
+    tls_ca: str | None = Field(None, description="CA bundle to verify the server's certificate")
+    tls_verify: bool = Field(True, description="verify the server's certificate and host name")
+    timeout: float = Field(5.0, gt=0, le=600, description="seconds one operation may take")
+    connect_timeout: float = Field(2.0, gt=0, le=600, description="seconds to connect")
+    max_connections: int = Field(16, ge=1, le=1024, description="connection pool size")
+    ttl: float | None = Field(None, gt=0, description="Redis: seconds before a page expires (none: never)")
+    key_prefix: str = Field("lmkv:", max_length=64, description="Redis: prefix of every key lmkv writes")
+    verify: bool = Field(True, description="verify checksums of pages read over the network")
+    shm: Literal["auto", "never"] = Field(
+        "auto", description="lmkv server on this host: move bulk bytes through shared memory"
+    )
+    shm_size: ByteSize = Field(ByteSize(64 << 20), description="shared-memory window per connection")
+
+
 class LMKVConfig(_Section):
     """Everything lmkv reads. Engine adapters add the model identity themselves."""
 
@@ -100,6 +126,7 @@ class LMKVConfig(_Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
     faults: dict[str, FaultSpec] = Field(
         default_factory=dict, description="fault injection per lower tier name (tests, benchmarks)"
     )

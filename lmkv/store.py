@@ -37,6 +37,7 @@ from lmkv.page import PageHeader, make_header
 from lmkv.tiers.base import Tier, WriteSession
 from lmkv.tiers.disk import DiskTier
 from lmkv.tiers.memory import MemoryTier
+from lmkv.tiers.remote import open_remote
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class Lookup:
 
 class TieredStore:
     def __init__(self, cfg: LMKVConfig, lower: Sequence[Tier] = ()) -> None:
-        """Memory first, then the disk tier if configured, then ``lower`` tiers (server, Redis)."""
+        """Memory first, then the disk tier if configured, then ``lower`` tiers, then ``remote.url``'s tier."""
         self.cfg = cfg
         self.domain = cfg.domain
         self.memory = MemoryTier(cfg.memory, on_evict=self._demote)
@@ -129,6 +130,9 @@ class TieredStore:
         if cfg.disk.path:
             tiers.append(DiskTier(cfg.disk))
         tiers.extend(lower)
+        remote = open_remote(cfg.remote)
+        if remote is not None:
+            tiers.append(remote)
         unknown = set(cfg.faults) - {t.name for t in tiers[1:]}
         if unknown:
             raise ValueError(f"faults: no lower tier named {sorted(unknown)} (tiers: {[t.name for t in tiers[1:]]})")

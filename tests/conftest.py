@@ -46,3 +46,21 @@ def tiny_fs(tmp_path):
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture(scope="session")
+def redis_node():
+    """A real redis-server on a loopback port for the whole session."""
+    from lmkv.redis_server import start_redis
+
+    with start_redis() as r:
+        yield r
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real three-node Redis Cluster on loopback ports."""
+    from lmkv.redis_server import start_cluster
+
+    with start_cluster(3) as c:
+        yield c

@@ -1,0 +1,132 @@
+"""Start a real ``redis-server`` (one node, or a cluster) on loopback, for tests and benchmarks.
+
+lmkv never starts Redis for users; this is what ``lmkv bench redis`` and the
+test-suite use so that they measure and test against the real thing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"{name} not found: install it (Debian/Ubuntu: apt-get install redis-server)")
+    return path
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode} (port in use?)")
+        try:
+            with socket.create_connection(("127.0.0.1", port), 0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # up (maybe asking for a password)
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server on port {port} did not answer within {timeout} s")
+
+
+@dataclass
+class RedisProcesses:
+    """Running servers; ``url`` is what ``remote.url`` takes."""
+
+    url: str
+    ports: list[int]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    workdir: Path | None = None
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RedisProcesses:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _spawn(port: int, workdir: Path, extra: list[str]) -> subprocess.Popen:
+    args = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "no", *extra]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_ready(port, proc)
+    return proc
+
+
+def start_redis(port: int | None = None, maxmemory: str | None = None, password: str | None = None) -> RedisProcesses:
+    """One redis-server with no persistence; ``maxmemory`` evicts with allkeys-lru."""
+    port = port or free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="lmkv-redis-"))
+    extra = ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
+    if password:
+        extra += ["--requirepass", password]
+    proc = _spawn(port, workdir, extra)
+    return RedisProcesses(f"redis://127.0.0.1:{port}", [port], [proc], workdir)
+
+
+def start_cluster(nodes: int = 3) -> RedisProcesses:
+    """``nodes`` primaries on loopback, slots spread across them, no replicas."""
+    workdir = Path(tempfile.mkdtemp(prefix="lmkv-redis-cluster-"))
+    ports = [cluster_port() for _ in range(nodes)]
+    procs = []
+    try:
+        for port in ports:
+            d = workdir / str(port)
+            d.mkdir()
+            procs.append(_spawn(port, d, ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                          "--cluster-node-timeout", "2000"]))
+        subprocess.run([_binary("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            out = subprocess.run([_binary("redis-cli"), "-p", str(ports[0]), "cluster", "info"],
+                                 capture_output=True, text=True).stdout
+            if "cluster_state:ok" in out:
+                break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("redis cluster did not reach cluster_state:ok")
+    except BaseException:
+        RedisProcesses("", ports, procs, workdir).stop()
+        raise
+    url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+    return RedisProcesses(url, ports, procs, workdir)

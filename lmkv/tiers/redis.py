@@ -1,0 +1,264 @@
+"""The Redis tier: single node, Redis Cluster or Valkey, through redis-py's asyncio client.
+
+Each page is two keys that share a hash tag, so both land on one cluster slot::
+
+    <prefix>{<key hex>}:p   payload (layers one after another, page.py's layout)
+    <prefix>{<key hex>}:h   packed header, written after the payload
+
+A page exists when its header does; a reader that finds the header but not the
+payload (Redis evicted one of the two under ``maxmemory``) gets a miss, and the
+orphan is deleted. Pages are content-addressed (a key names one content), so
+concurrent writers of one page write the same bytes and need no transaction.
+A layerwise load reads a layer with ``GETRANGE`` on the payload key. Because a
+key names one content, headers are cached client-side once seen: a read whose
+header is cached is one command (``GET`` or ``GETRANGE`` of the payload), and a
+page that is gone comes back empty and is a miss.
+
+Expiry (``remote.ttl``) and memory limits are Redis's job: lmkv reads what is
+there and treats what is not as a miss. Redis pages have no residency domain:
+Redis is a shared tier whose pages live until Redis expires or evicts them,
+so clearing one engine's domain leaves them in place.
+
+The tier's synchronous methods (what :class:`~lmkv.store.TieredStore` calls from
+its I/O threads) run coroutines on one event-loop thread; the pool gives each
+concurrent batch its own connection. Every operation has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from urllib.parse import unquote, urlsplit
+
+import redis.asyncio as aredis
+from redis import exceptions as rexc
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+from lmkv.config import ConfigError, RemoteConfig
+from lmkv.errors import TierUnavailableError
+from lmkv.keys import key_hex
+from lmkv.layout import GroupLayout
+from lmkv.page import PageHeader, as_bytes_view
+from lmkv.tiers.base import Range
+from lmkv.tiers.remote import RemoteTier
+
+#: packed headers kept client-side (about 200 bytes each for an 8-layer page)
+HEADER_CACHE = 65536
+
+_UNREACHABLE = (rexc.ConnectionError, rexc.TimeoutError, rexc.ClusterDownError, rexc.RedisClusterException,
+                asyncio.TimeoutError, OSError)
+
+
+def _tls_kwargs(cfg: RemoteConfig) -> dict:
+    return {
+        "ssl_ca_certs": cfg.tls_ca,
+        "ssl_cert_reqs": "required" if cfg.tls_verify else "none",
+        "ssl_check_hostname": cfg.tls_verify,
+    }
+
+
+def make_client(cfg: RemoteConfig):
+    """A redis-py asyncio client for ``cfg.url`` (no connection is made here)."""
+    url = cfg.url or ""
+    common = dict(
+        socket_timeout=cfg.timeout,
+        socket_connect_timeout=cfg.connect_timeout,
+        username=cfg.username,
+        password=cfg.password,
+    )
+    common = {k: v for k, v in common.items() if v is not None}
+    parts = urlsplit(url)
+    if parts.scheme in ("redis-cluster", "rediss-cluster"):
+        netloc = parts.netloc
+        creds, _, hosts = netloc.rpartition("@")
+        if creds:
+            user, _, pw = creds.partition(":")
+            common.setdefault("username", unquote(user) or None)
+            common.setdefault("password", unquote(pw) or None)
+        nodes = []
+        for hp in filter(None, hosts.split(",")):
+            host, _, port = hp.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"remote.url = {url!r}: expected host:port[,host:port...] after redis-cluster://")
+            nodes.append(ClusterNode(host.strip("[]"), int(port)))
+        if not nodes:
+            raise ConfigError(f"remote.url = {url!r}: no cluster nodes given")
+        tls = _tls_kwargs(cfg) if parts.scheme == "rediss-cluster" else {}
+        return RedisCluster(startup_nodes=nodes, ssl=bool(tls), max_connections=cfg.max_connections,
+                            require_full_coverage=False, socket_read_size=1 << 20, **tls, **common)
+    tls = _tls_kwargs(cfg) if parts.scheme == "rediss" else {}
+    return aredis.Redis.from_url(url, max_connections=cfg.max_connections, socket_read_size=1 << 20, **tls, **common)
+
+
+class RedisTier(RemoteTier):
+    def __init__(self, cfg: RemoteConfig, name: str = "redis") -> None:
+        super().__init__(name, cfg)
+        self.cluster = urlsplit(cfg.url or "").scheme.endswith("-cluster")
+        self._prefix = cfg.key_prefix
+        self._px = int(cfg.ttl * 1000) if cfg.ttl else None
+        self._headers: OrderedDict[bytes, bytes] = OrderedDict()
+        self._headers_lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="lmkv-redis", daemon=True)
+        self._thread.start()
+        self._client = self._run_plain(self._make_client(), cfg.connect_timeout + 1)
+
+    async def _make_client(self):
+        return make_client(self.cfg)
+
+    # -- running coroutines from the store's threads ------------------------------
+
+    def _run_plain(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _run(self, coro):
+        """Run one operation with the configured deadline; unreachable -> TierUnavailableError."""
+        async def bounded():
+            return await asyncio.wait_for(coro, self.cfg.timeout)
+
+        try:
+            return self._run_plain(bounded(), self.cfg.timeout + 1)
+        except _UNREACHABLE as err:
+            raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+        except TimeoutError as err:  # concurrent.futures timeout: the loop itself is stuck
+            raise TierUnavailableError(f"{self.name}: no answer in {self.cfg.timeout} s") from err
+
+    def _names(self, key: bytes) -> tuple[bytes, bytes]:
+        tag = f"{self._prefix}{{{key_hex(key)}}}"
+        return (tag + ":h").encode(), (tag + ":p").encode()
+
+    # -- primitives ----------------------------------------------------------
+
+    def _ping(self) -> None:
+        self._run(self._client.ping())
+
+    def _exists(self, keys: Sequence[bytes]) -> list[bool]:
+        async def run():
+            async with self._client.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.exists(self._names(k)[0])
+                return [bool(n) for n in await pipe.execute()]
+
+        return self._run(run())
+
+    def _cached_header(self, key: bytes) -> bytes | None:
+        with self._headers_lock:
+            h = self._headers.get(key)
+            if h is not None:
+                self._headers.move_to_end(key)
+            return h
+
+    def _remember(self, key: bytes, header: bytes | None) -> None:
+        with self._headers_lock:
+            if header is None:
+                self._headers.pop(key, None)
+                return
+            self._headers[key] = header
+            if len(self._headers) > HEADER_CACHE:
+                self._headers.popitem(last=False)
+
+    def _read(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence, ranges: Sequence[Range] | None) -> list:
+        async def one(key: bytes, out):
+            h, p = self._names(key)
+            header = self._cached_header(key)
+            async with self._client.pipeline(transaction=False) as pipe:
+                if header is None:
+                    pipe.get(h)
+                if ranges is None:
+                    pipe.get(p)
+                else:
+                    for a, b in ranges:
+                        pipe.getrange(p, a, b - 1)
+                replies = await pipe.execute()
+            if header is None:
+                header, *parts = replies
+                if header is None:
+                    return None
+            else:
+                parts = replies
+            if ranges is None:
+                parts = [parts[0]]
+                ranges_ = [(0, layout.payload_bytes)]
+            else:
+                ranges_ = list(ranges)
+            if parts[0] is None or parts[0] == b"":  # gone, or Redis evicted the payload but not the header
+                self._remember(key, None)
+                await self._client.delete(h, p)
+                return None
+            dst = as_bytes_view(out)
+            for (a, b), part in zip(ranges_, parts):
+                if len(part) != b - a:
+                    self._remember(key, None)
+                    return b""  # a short page: the header check rejects it
+                dst[a:b] = part
+            self._remember(key, header)
+            return header
+
+        async def run():
+            return [await one(k, o) for k, o in zip(keys, outs)]
+
+        return self._run(run())
+
+    def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
+        """One pipeline per page (payload, then header): measured faster than one pipeline of many
+        2 MiB values, and it bounds what the client buffers."""
+        async def one(h: PageHeader, payload) -> bool:
+            hn, pn = self._names(h.key)
+            packed = h.pack()
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.set(pn, payload, px=self._px)
+                pipe.set(hn, packed, px=self._px)
+                a, b = await pipe.execute(raise_on_error=False)
+            if a is True and b is True:
+                self._remember(h.key, packed)
+                return True
+            if any(isinstance(r, rexc.ResponseError) and "OOM" in str(r) for r in (a, b)):
+                self.stats.full += 1
+            else:
+                self.stats.errors += 1
+            return False
+
+        async def run():
+            return [await one(h, payload) for h, payload in pages]
+
+        return self._run(run())
+
+    def _delete(self, keys: Sequence[bytes]) -> int:
+        async def run():
+            async with self._client.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    self._remember(k, None)
+                    pipe.delete(*self._names(k))
+                return sum(1 for n in await pipe.execute() if n)
+
+        return self._run(run())
+
+    def _clear(self, domain: str) -> int:
+        """Redis pages belong to no engine's domain (see the module docstring): nothing to drop."""
+        return 0
+
+    def _fetch_usage(self) -> tuple[int, int, int]:
+        async def run():
+            if self.cluster:
+                nodes = self._client.get_primaries()
+                infos = [await self._client.info("memory", target_nodes=n) for n in nodes]
+                sizes = [await self._client.dbsize(target_nodes=n) for n in nodes]
+            else:
+                infos = [await self._client.info("memory")]
+                sizes = [await self._client.dbsize()]
+            used = sum(int(i.get("used_memory", 0)) for i in infos)
+            cap = sum(int(i.get("maxmemory", 0)) for i in infos)
+            return used, cap, sum(sizes) // 2
+
+        return self._run(run())
+
+    def close(self) -> None:
+        super().close()
+        try:
+            self._run_plain(self._client.aclose(), 2)
+        except Exception:  # closing a client whose server is gone must not fail shutdown
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(2)

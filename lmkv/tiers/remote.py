@@ -1,0 +1,287 @@
+"""What the network tiers (Redis, the lmkv server) share.
+
+A remote page is its packed header followed by its payload, the same bytes as
+a page file without the padding. Every page read over the network is checked
+here, once, against the header the writer made (``remote.verify``), so a
+backend or a link that damages bytes costs a recomputation, never a wrong token.
+
+A backend that cannot be reached is a miss, not an error the engine sees:
+:class:`Health` marks it down after the first failure, makes every call fail at
+once (no timeout per request while it is down), and a background thread pings
+it with backoff until it answers again. So an engine starts and serves while
+Redis or the server is not up yet, and picks the tier up when it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from lmkv.config import ConfigError, RemoteConfig
+from lmkv.errors import PageError, TierUnavailableError
+from lmkv.layout import GroupLayout
+from lmkv.page import (
+    FIXED_BYTES,
+    PageHeader,
+    as_bytes_view,
+    num_units,
+    unpack_header,
+    units_in_ranges,
+    verify_payload,
+    verify_units,
+)
+from lmkv.tiers.base import Range, Tier, WriteSession
+
+log = logging.getLogger(__name__)
+
+
+def header_bytes(layout: GroupLayout) -> int:
+    """Length of a packed (unpadded) header of this layout: where the payload starts remotely."""
+    return FIXED_BYTES + 8 * num_units(layout)
+
+
+class Health:
+    """Up or down, with a background reconnect loop while down.
+
+    ``ping`` raises when the backend is unreachable. The first failure is logged
+    (once per outage), later calls fail fast until a ping succeeds.
+    """
+
+    def __init__(self, name: str, ping: Callable[[], None], min_backoff: float = 0.2, max_backoff: float = 5.0):
+        self.name = name
+        self._ping = ping
+        self._min, self._max = min_backoff, max_backoff
+        self._down_since: float | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.outages = 0
+
+    @property
+    def up(self) -> bool:
+        return self._down_since is None
+
+    def guard(self) -> None:
+        """Fail at once while the backend is known to be down."""
+        if self._down_since is not None:
+            raise TierUnavailableError(f"{self.name}: unreachable since {time.ctime(self._down_since)}; reconnecting")
+
+    def failed(self, err: BaseException) -> None:
+        with self._lock:
+            if self._down_since is not None or self._stop.is_set():
+                return
+            self._down_since = time.time()
+            self.outages += 1
+            log.warning("lmkv: %s tier unreachable (%s); serving without it, reconnecting in the background", self.name, err)
+            self._thread = threading.Thread(target=self._reconnect, name=f"lmkv-{self.name}-reconnect", daemon=True)
+            self._thread.start()
+
+    def _reconnect(self) -> None:
+        delay = self._min
+        while not self._stop.wait(delay):
+            try:
+                self._ping()
+            except Exception:  # any failure: still down
+                delay = min(delay * 2, self._max)
+                continue
+            with self._lock:
+                log.warning("lmkv: %s tier reachable again after %.1f s", self.name, time.time() - (self._down_since or 0))
+                self._down_since = None
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class BufferedSession(WriteSession):
+    """A write session for a remote tier: pages fill host buffers, commit sends them in one batch."""
+
+    def __init__(self, tier: RemoteTier, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> None:
+        super().__init__(keys, layouts)
+        self._tier = tier
+        self._domain = domain
+        self._bufs = [np.empty(lay.payload_bytes, np.uint8) for lay in self.layouts]
+
+    def buffer(self, i: int) -> np.ndarray:
+        return self._bufs[i]
+
+    def commit(self, headers: Sequence[PageHeader | None] | None = None) -> list[bool]:
+        made = self.headers() if headers is None else headers
+        self.closed = True
+        todo = [(i, h) for i, h in enumerate(made) if h is not None]
+        ok = self._tier.put([(h, self._bufs[i]) for i, h in todo], self._domain)
+        out = [False] * len(self.keys)
+        for (i, _), stored in zip(todo, ok):
+            out[i] = stored
+        self._bufs = []
+        return out
+
+    def abort(self) -> None:
+        self.closed = True
+        self._bufs = []
+
+
+class RemoteTier(Tier):
+    """A tier behind a network connection. Subclasses move bytes; this class checks them.
+
+    Subclasses implement the primitives below and raise :class:`TierUnavailableError`
+    for anything that means the backend cannot be reached or did not answer in time.
+    """
+
+    def __init__(self, name: str, cfg: RemoteConfig) -> None:
+        super().__init__(name)
+        self.cfg = cfg
+        self.verifies = cfg.verify
+        self.health = Health(name, self._ping)
+        self._usage = (0, 0, 0)
+        self._usage_at = 0.0
+
+    # -- primitives ----------------------------------------------------------
+
+    @abstractmethod
+    def _ping(self) -> None: ...
+
+    @abstractmethod
+    def _exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    def _read(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence, ranges: Sequence[Range] | None) -> list:
+        """Per key, its packed header bytes (``None``: missing), the payload written into ``out``
+        at page offsets (every byte, or only ``ranges``)."""
+
+    @abstractmethod
+    def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]: ...
+
+    @abstractmethod
+    def _delete(self, keys: Sequence[bytes]) -> int: ...
+
+    @abstractmethod
+    def _clear(self, domain: str) -> int: ...
+
+    @abstractmethod
+    def _fetch_usage(self) -> tuple[int, int, int]:
+        """(used bytes, capacity bytes, pages), for stats."""
+
+    # -- guarded calls ---------------------------------------------------------
+
+    def _call(self, fn, *args):
+        self.health.guard()
+        try:
+            return fn(*args)
+        except TierUnavailableError as err:
+            self.stats.errors += 1
+            self.health.failed(err)
+            raise
+
+    # -- Tier --------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._call(self._exists, keys) if keys else []
+
+    def _check(self, key: bytes, raw, layout: GroupLayout, out, units: list[int] | None, nbytes: int) -> PageHeader | None:
+        """Parse and verify what a read returned; a bad page is counted, deleted and a miss."""
+        if raw is None:
+            self.stats.misses += 1
+            return None
+        try:
+            h = unpack_header(raw, expect_key=key, layout=layout)
+            if self.verifies:
+                if units is None:
+                    verify_payload(h, layout, out)
+                else:
+                    verify_units(h, layout, out, units)
+        except PageError as err:
+            self.stats.corrupt += 1
+            log.warning("lmkv: %s tier served a bad page (%s); dropping it", self.name, err)
+            try:
+                self._call(self._delete, [key])
+            except TierUnavailableError:
+                pass
+            return None
+        self.stats.hits += 1
+        self.stats.get_bytes += nbytes
+        return h
+
+    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        if not keys:
+            return []
+        raws = self._call(self._read, keys, layout, outs, None)
+        return [self._check(k, r, layout, o, None, layout.payload_bytes) for k, r, o in zip(keys, raws, outs)]
+
+    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+        units = units_in_ranges(layout, ranges)
+        (raw,) = self._call(self._read, [key], layout, [out], list(ranges))
+        return self._check(key, raw, layout, out, units, sum(b - a for a, b in ranges))
+
+    def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
+        if not pages:
+            return []
+        views = [(h, as_bytes_view(p)) for h, p in pages]
+        for h, v in views:
+            if len(v) != h.payload_len:
+                raise ValueError(f"payload of {len(v)} bytes, header says {h.payload_len}")
+        ok = self._call(self._write, views, domain)
+        for (h, _), stored in zip(views, ok):
+            if stored:
+                self.stats.puts += 1
+                self.stats.put_bytes += h.payload_len
+        return ok
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self._call(self._delete, keys) if keys else 0
+
+    def clear(self, domain: str) -> int:
+        return self._call(self._clear, domain)
+
+    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> WriteSession:
+        return BufferedSession(self, keys, layouts, domain)
+
+    def _usage_now(self) -> tuple[int, int, int]:
+        """Occupancy for stats, asked at most every 2 s and never while the backend is down."""
+        if self.health.up and time.monotonic() - self._usage_at > 2.0:
+            self._usage_at = time.monotonic()
+            try:
+                self._usage = self._call(self._fetch_usage)
+            except TierUnavailableError:
+                pass
+        return self._usage
+
+    @property
+    def used_bytes(self) -> int:
+        return self._usage_now()[0]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._usage_now()[1]
+
+    def __len__(self) -> int:
+        return self._usage_now()[2]
+
+    def close(self) -> None:
+        self.health.close()
+
+
+def open_remote(cfg: RemoteConfig) -> RemoteTier | None:
+    """The network tier ``cfg.url`` names, or ``None`` when unset. Never connects here:
+    a backend that is down at start-up is picked up when it comes back."""
+    if not cfg.url:
+        return None
+    scheme = urlsplit(cfg.url).scheme
+    if scheme in ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster"):
+        from lmkv.tiers.redis import RedisTier
+
+        return RedisTier(cfg)
+    if scheme in ("lmkv", "lmkvs"):
+        from lmkv.tiers.server_client import ServerTier
+
+        return ServerTier(cfg)
+    raise ConfigError(
+        f"remote.url = {cfg.url!r}: unknown scheme {scheme!r} (accepted: lmkv://, lmkvs://, redis://, "
+        "rediss://, unix://, redis-cluster://, rediss-cluster://)"
+    )
