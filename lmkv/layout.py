@@ -18,6 +18,7 @@ their shard index. Skipping a sharded write would silently lose data.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import asdict, dataclass, field
 
 import xxhash
@@ -85,13 +86,20 @@ class GroupLayout:
         if problems:
             raise ValueError(f"group {self.name!r}: " + "; ".join(problems))
 
-    @property
+    @functools.cached_property
     def layer_stride(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    @property
+    @functools.cached_property
     def payload_bytes(self) -> int:
         return self.num_layers * self.layer_stride
+
+    @functools.cached_property
+    def unit_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Byte ranges of every (layer, segment) unit in payload order: what one checksum covers."""
+        return tuple(
+            self.layer_range(layer, seg) for layer in range(self.num_layers) for seg in range(len(self.segments))
+        )
 
     def segment_index(self, name: str) -> int:
         for i, s in enumerate(self.segments):
@@ -130,7 +138,7 @@ class GroupLayout:
         """One writer per replica set: the first rank of the set."""
         return self.tp_rank % self.tp_replicas == 0
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> int:
         """64-bit identity of the byte layout; ranks of one group share it."""
         canon = (

@@ -105,13 +105,9 @@ def _header_checksum(key: bytes, layout_fp: int, payload_len: int, digests: byte
     )
 
 
-def unit_ranges(layout: GroupLayout) -> list[tuple[int, int]]:
-    """Byte ranges of every (layer, segment) unit in payload order."""
-    return [
-        layout.layer_range(layer, seg)
-        for layer in range(layout.num_layers)
-        for seg in range(len(layout.segments))
-    ]
+def unit_ranges(layout: GroupLayout) -> tuple[tuple[int, int], ...]:
+    """Byte ranges of every (layer, segment) unit in payload order (computed once per layout)."""
+    return layout.unit_ranges
 
 
 def _digests(layout: GroupLayout, payload: memoryview, units: Iterable[int]) -> list[int]:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from lmkv.config import ConfigError, RemoteConfig
-from lmkv.errors import PageError, TierUnavailableError
+from lmkv.errors import PageError, PageFormatError, TierUnavailableError
 from lmkv.layout import GroupLayout
 from lmkv.page import (
     FIXED_BYTES,
@@ -152,8 +152,8 @@ class RemoteTier(Tier):
 
     @abstractmethod
     def _read(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence, ranges: Sequence[Range] | None) -> list:
-        """Per key, its packed header bytes (``None``: missing), the payload written into ``out``
-        at page offsets (every byte, or only ``ranges``)."""
+        """Per key, its header (packed bytes, or a :class:`PageHeader` already parsed; ``None``:
+        missing), the payload written into ``out`` at page offsets (every byte, or only ``ranges``)."""
 
     @abstractmethod
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]: ...
@@ -190,7 +190,9 @@ class RemoteTier(Tier):
             self.stats.misses += 1
             return None
         try:
-            h = unpack_header(raw, expect_key=key, layout=layout)
+            h = raw if isinstance(raw, PageHeader) else unpack_header(raw, expect_key=key, layout=layout)
+            if h.key != key or h.layout_fp != layout.fingerprint:
+                raise PageFormatError(f"page {h.key.hex()} of layout {h.layout_fp:#x} asked for as {key.hex()}")
             if self.verifies:
                 if units is None:
                     verify_payload(h, layout, out)
