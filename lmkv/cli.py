@@ -1,4 +1,4 @@
-"""The ``lmkv`` command: ``demo``, ``bench``, ``config``, ``stats``."""
+"""The ``lmkv`` command: ``demo``, ``bench``, ``serve``, ``config``, ``stats``."""
 
 from __future__ import annotations
 
@@ -61,6 +61,20 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from lmkv.server import serve
+
+    overrides: dict = {"config_file": args.file} if args.file else {}
+    server = {k: v for k, v in (("host", args.host), ("port", args.port), ("metrics_port", args.metrics_port)) if v is not None}
+    if server:
+        overrides["server"] = server
+    if args.disk:
+        overrides["disk"] = {"path": args.disk}
+    if args.memory:
+        overrides["memory"] = {"capacity": args.memory}
+    return serve(load_config(overrides))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lmkv.benchmarks import BENCHES
 
@@ -84,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the effective configuration (file < LMKV_* env)")
     c.add_argument("--file", help="YAML configuration file")
     c.set_defaults(fn=_config)
+
+    v = sub.add_parser("serve", help="run the lmkv cache server (memory + optional disk, Redis beneath)")
+    v.add_argument("--host", help="bind address (default 127.0.0.1; others need LMKV_SERVER__TOKEN)")
+    v.add_argument("--port", type=int, help="TCP port (default 7420)")
+    v.add_argument("--memory", help="memory tier capacity, e.g. 16GiB")
+    v.add_argument("--disk", help="disk tier directory (pages survive restarts)")
+    v.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    v.add_argument("--file", help="YAML configuration file (server, memory, disk, remote sections)")
+    v.set_defaults(fn=_serve)
 
     s = sub.add_parser("stats", help="print per-tier statistics of the configured tiers")
     s.add_argument("--file", help="YAML configuration file")

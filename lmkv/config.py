@@ -107,6 +107,20 @@ class RemoteConfig(_Section):
     shm_size: ByteSize = Field(ByteSize(64 << 20), description="shared-memory window per connection")
 
 
+class ServerConfig(_Section):
+    """``lmkv serve``: the standalone cache server (its tiers are this config's memory, disk, remote)."""
+
+    host: str = Field("127.0.0.1", description="bind address; anything but loopback requires a token")
+    port: int = Field(7420, ge=0, le=65535, description="TCP port (0: any free port)")
+    token: str | None = Field(None, min_length=8, description="clients must present it (or LMKV_SERVER__TOKEN)")
+    tls_cert: str | None = Field(None, description="PEM certificate: serve TLS")
+    tls_key: str | None = Field(None, description="PEM private key for tls_cert")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port (unset: off)")
+    max_connections: int = Field(256, ge=1, le=65536, description="clients served at once; more are refused")
+    max_bulk: ByteSize = Field(ByteSize(256 << 20), description="largest request or reply body")
+    idle_timeout: float = Field(600.0, gt=0, description="seconds a silent client keeps its connection")
+
+
 class LMKVConfig(_Section):
     """Everything lmkv reads. Engine adapters add the model identity themselves."""
 
@@ -127,6 +141,7 @@ class LMKVConfig(_Section):
     disk: DiskConfig = Field(default_factory=DiskConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     faults: dict[str, FaultSpec] = Field(
         default_factory=dict, description="fault injection per lower tier name (tests, benchmarks)"
     )

@@ -136,6 +136,13 @@ def make_header(key: bytes, layout: GroupLayout, payload) -> PageHeader:
     return PageHeader(key, fp, len(view), digests, _header_checksum(key, fp, len(view), digests))
 
 
+def rekey(header: PageHeader, key: bytes) -> PageHeader:
+    """The same page under another key (the server's namespace-qualified key and back):
+    only the header checksum is recomputed, the payload digests stay."""
+    return PageHeader(key, header.layout_fp, header.payload_len, header.digests,
+                      _header_checksum(key, header.layout_fp, header.payload_len, header.digests))
+
+
 def unpack_header(buf, expect_key: bytes | None = None, layout: GroupLayout | None = None) -> PageHeader:
     """Parse and check a header; raises :class:`PageFormatError` on anything unexpected."""
     view = as_bytes_view(buf)

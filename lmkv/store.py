@@ -92,9 +92,10 @@ def prefix_lookup(keys: Sequence[bytes], tiers: Sequence[HasContains]) -> Lookup
 
 @dataclass
 class Fetched:
-    """Host views of fetched pages (``None`` = failed); release once copied into the engine."""
+    """Host views of fetched pages and their headers (``None`` = failed); release once copied."""
 
     views: list
+    headers: list
     _leases: list
 
     def release(self) -> None:
@@ -130,7 +131,7 @@ class TieredStore:
         if cfg.disk.path:
             tiers.append(DiskTier(cfg.disk))
         tiers.extend(lower)
-        remote = open_remote(cfg.remote)
+        remote = open_remote(cfg.remote, cfg.namespace)
         if remote is not None:
             tiers.append(remote)
         unknown = set(cfg.faults) - {t.name for t in tiers[1:]}
@@ -191,9 +192,10 @@ class TieredStore:
         with self.metrics.timed("fetch"):
             lease = self.memory.borrow(keys)
             views: list = list(lease.views)
+            found: list = list(lease.headers)
             missing = [i for i, v in enumerate(views) if v is None]
             if not missing or len(self.tiers) == 1:
-                return Fetched(views, [lease])
+                return Fetched(views, found, [lease])
             # Which lower tier has each missing page, asked once per tier before reserving room.
             names = dict(zip(missing, locate([keys[i] for i in missing], self.tiers[1:])))
             by_name = {t.name: t for t in self.tiers[1:]}
@@ -226,9 +228,11 @@ class TieredStore:
                 promoted = self.memory.borrow(want, count=False)
                 leases.append(promoted)
                 bufs = promoted.views
+                headers = [h if h is not None and p is not None else None for h, p in zip(headers, promoted.headers)]
             for i, b, h in zip(missing, bufs, headers):
                 views[i] = b if h is not None else None
-            return Fetched(views, leases)
+                found[i] = h
+            return Fetched(views, found, leases)
 
     # -- writes ------------------------------------------------------------
 
@@ -383,9 +387,11 @@ class StoreSession:
     def write(self, i: int, offset: int, data) -> None:
         self._inner.write(i, offset, data)
 
-    def commit(self) -> list[bool]:
-        """Publish in memory now; under write-through, the copies down run on the I/O threads."""
-        results = self._inner.commit()
+    def commit(self, headers: Sequence[PageHeader | None] | None = None) -> list[bool]:
+        """Publish in memory now; under write-through, the copies down run on the I/O threads.
+
+        ``headers`` as in :meth:`WriteSession.commit` (pages whose header arrived with them)."""
+        results = self._inner.commit(headers)
         store = self._store
         if store.cfg.store.write_policy == "write_through" and len(store.tiers) > 1:
             lease = store.memory.borrow(self.keys, count=False)

@@ -247,7 +247,7 @@ class LayerwiseTransfer:
             load.fetched = load.future.result()
         except Exception:  # a failing tier must cost a recompute, never the engine
             log.exception("lmkv: fetch failed; recomputing")
-            load.fetched = Fetched([None] * len(load.block_ids), [])
+            load.fetched = Fetched([None] * len(load.block_ids), [None] * len(load.block_ids), [])
         views = load.fetched.views
         load.ok = [v is not None for v in views]
         load.pages = [as_bytes_array(v) for v in views if v is not None]

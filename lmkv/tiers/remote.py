@@ -269,9 +269,10 @@ class RemoteTier(Tier):
         self.health.close()
 
 
-def open_remote(cfg: RemoteConfig) -> RemoteTier | None:
+def open_remote(cfg: RemoteConfig, namespace: str = "default") -> RemoteTier | None:
     """The network tier ``cfg.url`` names, or ``None`` when unset. Never connects here:
-    a backend that is down at start-up is picked up when it comes back."""
+    a backend that is down at start-up is picked up when it comes back. ``namespace``
+    is the tenant the lmkv server isolates this client's pages under."""
     if not cfg.url:
         return None
     scheme = urlsplit(cfg.url).scheme
@@ -282,7 +283,7 @@ def open_remote(cfg: RemoteConfig) -> RemoteTier | None:
     if scheme in ("lmkv", "lmkvs"):
         from lmkv.tiers.server_client import ServerTier
 
-        return ServerTier(cfg)
+        return ServerTier(cfg, namespace)
     raise ConfigError(
         f"remote.url = {cfg.url!r}: unknown scheme {scheme!r} (accepted: lmkv://, lmkvs://, redis://, "
         "rediss://, unix://, redis-cluster://, rediss-cluster://)"

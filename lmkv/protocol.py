@@ -1,0 +1,225 @@
+"""The wire protocol between the lmkv server and its clients.
+
+Every message is a frame::
+
+    offset size field
+    0      4    magic b"LKV1"
+    4      1    op (requests) / status (replies: 0 ok, 1 error)
+    5      3    reserved (0)
+    8      4    meta_len   msgpack metadata that follows (<= MAX_META)
+    12     8    bulk_len   raw page bytes after the metadata (<= the server's max_bulk)
+
+The metadata is one msgspec ``Struct`` per op, so every field is type-checked
+on decode. Bulk bytes are the pages' payloads (or the requested ranges of each
+page) back to back in the order of the metadata; they are read with
+``recv_into`` straight into their destination, never through a ``bytes`` copy.
+Same-host clients may instead name a shared-memory window: bulk then travels
+through it and ``bulk_len`` is 0.
+
+Every length and count read from the peer is bounded before anything is
+allocated; a bad frame is an error reply (or, if the framing itself is broken,
+a closed connection), never a crash.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+
+import msgspec
+
+from lmkv.errors import LMKVError
+from lmkv.layout import GroupLayout, Growth, Segment, StateKind
+
+MAGIC = b"LKV1"
+FRAME = struct.Struct("<4sB3xIQ")
+FRAME_BYTES = FRAME.size  # 16
+MAX_META = 1 << 20
+MAX_KEYS = 4096
+PROTOCOL_VERSION = 1
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    EXISTS = 2
+    GET = 3
+    PUT = 4
+    DELETE = 5
+    CLEAR = 6
+    STATS = 7
+    PING = 8
+
+
+class ProtocolError(LMKVError):
+    """The peer sent something that is not a valid frame; the connection is closed."""
+
+
+class RemoteError(LMKVError):
+    """The server refused a request (the message says why); the connection stays usable."""
+
+
+# -- metadata ------------------------------------------------------------------
+
+
+class LayoutMsg(msgspec.Struct, array_like=True):
+    name: str
+    kind: str
+    num_layers: int
+    segments: list[tuple[str, int]]
+    tokens_per_page: int
+    dtype: str
+    tp_size: int
+    tp_rank: int
+    tp_replicas: int
+    sliding_window: int | None
+    growth: str
+
+    @classmethod
+    def of(cls, lay: GroupLayout) -> LayoutMsg:
+        return cls(lay.name, lay.kind.value, lay.num_layers, [(s.name, s.nbytes) for s in lay.segments],
+                   lay.tokens_per_page, lay.dtype, lay.tp_size, lay.tp_rank, lay.tp_replicas,
+                   lay.sliding_window, lay.growth.value)
+
+    def layout(self) -> GroupLayout:
+        """The layout, validated (raises ValueError on anything inconsistent)."""
+        return GroupLayout(self.name, StateKind(self.kind), self.num_layers,
+                           tuple(Segment(n, b) for n, b in self.segments), self.tokens_per_page, self.dtype,
+                           self.tp_size, self.tp_rank, self.tp_replicas, self.sliding_window, Growth(self.growth))
+
+
+class Hello(msgspec.Struct):
+    version: int
+    namespace: str
+    token: str | None = None
+    shm_name: str | None = None
+    shm_secret: bytes | None = None
+
+
+class HelloReply(msgspec.Struct):
+    version: int
+    shm: bool
+    max_bulk: int
+
+
+class Keys(msgspec.Struct):
+    keys: list[bytes]
+
+
+class Exists(msgspec.Struct):
+    present: list[bool]
+
+
+class Get(msgspec.Struct):
+    keys: list[bytes]
+    layout: LayoutMsg
+    ranges: list[tuple[int, int]] | None = None  # None: whole payloads
+    shm: bool = False  # write page i at i * (bytes per page) of the client's window
+
+
+class GetReply(msgspec.Struct):
+    headers: list[bytes | None]  # packed headers; bulk carries the found pages' bytes in order
+
+
+class Put(msgspec.Struct):
+    headers: list[bytes]  # packed headers; bulk (or the window, from 0) carries the payloads in order
+    domain: str
+    shm: bool = False
+
+
+class Stored(msgspec.Struct):
+    stored: list[bool]
+
+
+class Clear(msgspec.Struct):
+    domain: str
+
+
+class Count(msgspec.Struct):
+    count: int
+
+
+class Stats(msgspec.Struct):
+    tiers: dict[str, dict[str, int]]
+
+
+class Empty(msgspec.Struct):
+    pass
+
+
+class ErrorReply(msgspec.Struct):
+    error: str
+
+
+REQUESTS: dict[Op, type] = {
+    Op.HELLO: Hello, Op.EXISTS: Keys, Op.GET: Get, Op.PUT: Put, Op.DELETE: Keys,
+    Op.CLEAR: Clear, Op.STATS: Empty, Op.PING: Empty,
+}
+_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in REQUESTS.items()}
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(obj) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_request(op: int, meta: bytes):
+    """Decode and type-check a request's metadata; raises ValueError with the reason."""
+    try:
+        dec = _decoders[Op(op)]
+    except ValueError:
+        raise ValueError(f"unknown op {op}") from None
+    try:
+        return dec.decode(meta)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"bad {Op(op).name} request: {e}") from None
+
+
+def decode_reply(meta: bytes, typ: type):
+    try:
+        return msgspec.msgpack.decode(meta, type=typ)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"bad reply: {e}") from None
+
+
+# -- framing --------------------------------------------------------------------
+
+
+def frame(op_or_status: int, meta: bytes, bulk_len: int = 0) -> bytes:
+    return FRAME.pack(MAGIC, op_or_status, len(meta), bulk_len) + meta
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket; a closed peer mid-way is a ProtocolError."""
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ProtocolError(f"connection closed after {got} of {n} bytes")
+        got += k
+
+
+def read_frame(sock: socket.socket, max_bulk: int) -> tuple[int, bytes, int]:
+    """One frame's (op or status, metadata, bulk length); the bulk is left on the socket."""
+    head = bytearray(FRAME_BYTES)
+    recv_exact(sock, memoryview(head))
+    magic, op, meta_len, bulk_len = FRAME.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}: not an lmkv peer")
+    if meta_len > MAX_META:
+        raise ProtocolError(f"metadata of {meta_len} bytes exceeds {MAX_META}")
+    if bulk_len > max_bulk:
+        raise ProtocolError(f"bulk of {bulk_len} bytes exceeds {max_bulk}")
+    meta = bytearray(meta_len)
+    recv_exact(sock, memoryview(meta))
+    return op, bytes(meta), bulk_len
+
+
+def discard(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop ``nbytes`` (the bulk of a request that was refused), keeping the stream in step."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
+    while nbytes:
+        k = min(nbytes, len(scratch))
+        recv_exact(sock, scratch[:k])
+        nbytes -= k

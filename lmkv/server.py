@@ -1,0 +1,415 @@
+"""``lmkv serve``: one process holding memory and disk tiers (Redis optionally beneath) for many engines.
+
+- Transport: lmkv's framed protocol (:mod:`lmkv.protocol`) over TCP (TLS optional),
+  one thread per client (bounded by ``server.max_connections``). Page bytes go
+  from the socket straight into memory-tier slots reserved for them, and from
+  those slots straight to the socket: no intermediate copies. Same-host clients
+  may name a shared-memory window; bulk bytes then cross it instead of the socket.
+- Isolation: a client states its namespace once (``HELLO``); every key it sends
+  is qualified by that namespace before it touches a tier, and the page header
+  is re-keyed both ways, so one tenant's keys can never name another's pages.
+  Residency domains are qualified the same way.
+- Security: a token is required unless the server is bound to loopback; every
+  length and count a client sends is bounded before anything is allocated; a
+  malformed request gets an error reply, a broken frame closes that connection
+  only. Other clients never notice.
+- Durability: pages on the disk tier survive a restart (its index is rebuilt
+  from the files); clients reconnect by themselves.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import mmap
+import os
+import signal
+import socket
+import ssl
+import threading
+
+import numpy as np
+import xxhash
+
+from lmkv.config import ConfigError, LMKVConfig
+from lmkv.domains import check_domain
+from lmkv.errors import LMKVError, PageError, TierFullError
+from lmkv.keys import KEY_BYTES
+from lmkv.layout import GroupLayout, Segment, StateKind
+from lmkv.page import PageHeader, rekey, unpack_header, units_in_ranges
+from lmkv.protocol import (
+    MAX_KEYS,
+    PROTOCOL_VERSION,
+    Count,
+    Empty,
+    ErrorReply,
+    Exists,
+    GetReply,
+    HelloReply,
+    Op,
+    ProtocolError,
+    Stats,
+    Stored,
+    decode_request,
+    discard,
+    encode,
+    frame,
+    read_frame,
+    recv_exact,
+)
+from lmkv import shm_window
+from lmkv.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def opaque_layout(header: PageHeader) -> GroupLayout:
+    """What the server needs to reserve room for a page it stores but never interprets: its size.
+
+    Reads name the real layout (the client sends it with GET), and the stored header keeps
+    the real layout's fingerprint, so a page is only ever served as the layout it was made for.
+    """
+    return GroupLayout("opaque", StateKind.FULL_ATTENTION, 1, (Segment("payload", header.payload_len),), 1, "uint8")
+
+
+class _Refused(Exception):
+    """A request the server answers with an error reply (the connection stays open)."""
+
+
+def _check_keys(keys: list[bytes]) -> None:
+    if len(keys) > MAX_KEYS:
+        raise _Refused(f"{len(keys)} keys in one request; at most {MAX_KEYS}")
+    for k in keys:
+        if len(k) != KEY_BYTES:
+            raise _Refused(f"a key has {KEY_BYTES} bytes, got {len(k)}")
+
+
+class Client:
+    """One connected client: its namespace, its shared-memory window, its requests."""
+
+    def __init__(self, server: Server, sock: socket.socket, peer: str) -> None:
+        self.server = server
+        self.sock = sock
+        self.peer = peer
+        self.ns_seed: bytes | None = None
+        self.ns_tag = ""
+        self.window: np.ndarray | None = None
+        self._shm: mmap.mmap | None = None
+
+    # -- helpers ---------------------------------------------------------------
+
+    def inner(self, key: bytes) -> bytes:
+        """The server-side key: the client's key qualified by its namespace."""
+        assert self.ns_seed is not None
+        return xxhash.xxh3_128_digest(self.ns_seed + key)
+
+    def domain(self, name: str) -> str:
+        try:
+            check_domain(name)
+        except ValueError as e:
+            raise _Refused(str(e)) from None
+        return f"{self.ns_tag}.{name}"[:64]
+
+    def reply(self, obj, bulk_len: int = 0) -> None:
+        self.sock.sendall(frame(0, encode(obj), bulk_len))
+
+    def error(self, message: str) -> None:
+        self.sock.sendall(frame(1, encode(ErrorReply(message))))
+
+    # -- the loop ----------------------------------------------------------------
+
+    def serve(self) -> None:
+        store = self.server.store
+        max_bulk = int(self.server.cfg.server.max_bulk)
+        try:
+            while not self.server.stopping.is_set():
+                try:
+                    op, meta, bulk = read_frame(self.sock, max_bulk)
+                except (ProtocolError, OSError) as e:
+                    if not isinstance(e, ProtocolError) or "closed after 0 of" not in str(e):
+                        log.info("lmkv serve: %s: %s; closing its connection", self.peer, e)
+                        try:
+                            self.error(str(e))
+                        except OSError:
+                            pass
+                    return
+                try:
+                    req = decode_request(op, meta)
+                    if self.ns_seed is None and op != Op.HELLO:
+                        raise _Refused("the first request must be HELLO")
+                    self.handle(Op(op), req, bulk, store)
+                except (_Refused, ValueError) as e:  # refused before its bulk was read: drop the bulk
+                    self.server.refused += 1
+                    if bulk:
+                        discard(self.sock, bulk)
+                    self.error(str(e))
+                    if isinstance(e, _Fatal):
+                        return
+        except (ProtocolError, OSError) as e:
+            log.info("lmkv serve: %s: %s; closing its connection", self.peer, e)
+        finally:
+            self.close()
+
+    def handle(self, op: Op, req, bulk: int, store: TieredStore) -> None:
+        if op is Op.HELLO:
+            self.hello(req)
+        elif op is Op.PING:
+            self.reply(Empty())
+        elif op is Op.EXISTS:
+            _check_keys(req.keys)
+            self.reply(Exists(store.contains([self.inner(k) for k in req.keys])))
+        elif op is Op.GET:
+            self.get(req, store)
+        elif op is Op.PUT:
+            self.put(req, bulk, store)
+        elif op is Op.DELETE:
+            _check_keys(req.keys)
+            self.reply(Count(store.delete([self.inner(k) for k in req.keys])))
+        elif op is Op.CLEAR:
+            self.reply(Count(store.clear(self.domain(req.domain))))
+        elif op is Op.STATS:
+            self.reply(Stats(store.stats()))
+
+    def hello(self, req) -> None:
+        cfg = self.server.cfg.server
+        if req.version != PROTOCOL_VERSION:
+            raise _Fatal(f"protocol version {req.version}; this server speaks {PROTOCOL_VERSION}")
+        if cfg.token is not None and not hmac.compare_digest((req.token or "").encode(), cfg.token.encode()):
+            self.server.refused_auth += 1
+            raise _Fatal("authentication failed")
+        if not 0 < len(req.namespace) <= 256:
+            raise _Fatal("namespace must have 1-256 characters")
+        self.ns_seed = xxhash.xxh3_128_digest(b"lmkv-ns\0" + req.namespace.encode())
+        self.ns_tag = xxhash.xxh3_64_hexdigest(req.namespace.encode())[:12]
+        self.reply(HelloReply(PROTOCOL_VERSION, self.attach(req.shm_name, req.shm_secret), int(cfg.max_bulk)))
+
+    def attach(self, name: str | None, secret: bytes | None) -> bool:
+        """Map the client's shared-memory window if it is on this host and proves it made it."""
+        if not name or not secret or len(secret) < 16:
+            return False
+        try:
+            self._shm = shm_window.attach(name)
+        except (OSError, ValueError):
+            return False  # another host, or no access: the socket carries the bytes
+        buf = np.frombuffer(self._shm, np.uint8)
+        if len(buf) <= shm_window.HEADER or not hmac.compare_digest(bytes(buf[: len(secret)]), secret):
+            del buf
+            self._shm.close()
+            self._shm = None
+            return False
+        self.window = buf[shm_window.HEADER :]
+        return True
+
+    def get(self, req, store: TieredStore) -> None:
+        _check_keys(req.keys)
+        try:
+            layout = req.layout.layout()
+        except ValueError as e:
+            raise _Refused(f"bad layout: {e}") from None
+        max_bulk = int(self.server.cfg.server.max_bulk)
+        if layout.payload_bytes > max_bulk:
+            raise _Refused(f"a page of {layout.payload_bytes} bytes exceeds max_bulk {max_bulk}")
+        ranges = [(0, layout.payload_bytes)] if req.ranges is None else [tuple(r) for r in req.ranges]
+        units_in_ranges(layout, ranges)  # ValueError -> refused: ranges must be whole units
+        if req.shm:
+            if self.window is None:
+                raise _Refused("no shared-memory window on this connection")
+            if len(req.keys) * layout.payload_bytes > len(self.window):
+                raise _Refused(f"{len(req.keys)} pages do not fit the {len(self.window)}-byte window")
+        per_page = sum(b - a for a, b in ranges)
+        fetched = store.fetch([self.inner(k) for k in req.keys], layout)
+        with fetched:
+            headers: list[bytes | None] = []
+            found = []
+            for i, (k, v, h) in enumerate(zip(req.keys, fetched.views, fetched.headers)):
+                if v is None or h is None:
+                    headers.append(None)
+                    continue
+                headers.append(rekey(h, k).pack())
+                found.append((i, v))
+            if req.shm:
+                win = self.window
+                for i, v in found:
+                    base = i * layout.payload_bytes
+                    for a, b in ranges:
+                        win[base + a : base + b] = v[a:b]
+                self.reply(GetReply(headers))
+                return
+            if len(found) * per_page > max_bulk:
+                raise _Refused(f"reply of {len(found) * per_page} bytes exceeds max_bulk {max_bulk}")
+            self.reply(GetReply(headers), len(found) * per_page)
+            for _, v in found:
+                for a, b in ranges:
+                    self.sock.sendall(memoryview(v[a:b]))
+
+    def put(self, req, bulk: int, store: TieredStore) -> None:
+        _check_keys([b"\0" * KEY_BYTES] * len(req.headers))
+        try:
+            headers = [unpack_header(h) for h in req.headers]
+        except PageError as e:
+            raise _Refused(f"bad page header: {e}") from None
+        lays = [opaque_layout(h) for h in headers]
+        total = sum(h.payload_len for h in headers)
+        if req.shm:
+            if self.window is None:
+                raise _Refused("no shared-memory window on this connection")
+            if total > len(self.window) or bulk:
+                raise _Refused("pages do not fit the window (or a bulk came with them)")
+        elif bulk != total:
+            raise _Refused(f"bulk of {bulk} bytes; the headers describe {total}")
+        inner = [rekey(h, self.inner(h.key)) for h in headers]
+        try:
+            session = store.open_session([h.key for h in inner], lays, self.domain(req.domain))
+        except TierFullError:
+            discard(self.sock, bulk)
+            self.reply(Stored([False] * len(headers)))
+            return
+        with session:
+            off = 0
+            for i, h in enumerate(headers):
+                dst = session.buffer(i)
+                if req.shm:
+                    dst[:] = self.window[off : off + h.payload_len]
+                else:
+                    recv_exact(self.sock, memoryview(dst))
+                off += h.payload_len
+            stored = session.commit(inner)
+        self.reply(Stored(stored))
+
+    def close(self) -> None:
+        self.window = None
+        if self._shm is not None:
+            try:
+                self._shm.close()
+            except BufferError:  # a view is still alive in a reply being torn down; the mapping goes with it
+                pass
+            self._shm = None
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class _Fatal(_Refused):
+    """Refused, and the connection is closed (failed authentication, wrong protocol)."""
+
+
+class Server:
+    def __init__(self, cfg: LMKVConfig) -> None:
+        sc = cfg.server
+        if not is_loopback(sc.host) and not sc.token:
+            raise ConfigError(
+                f"server.host = {sc.host!r}: a server reachable from other hosts needs server.token "
+                "(or bind to 127.0.0.1)"
+            )
+        if bool(sc.tls_cert) != bool(sc.tls_key):
+            raise ConfigError("server.tls_cert and server.tls_key go together")
+        self.cfg = cfg
+        self.store = TieredStore(cfg)
+        self.stopping = threading.Event()
+        self.refused = 0
+        self.refused_auth = 0
+        self._slots = threading.BoundedSemaphore(sc.max_connections)
+        self._clients: set[Client] = set()
+        self._lock = threading.Lock()
+        self._tls: ssl.SSLContext | None = None
+        if sc.tls_cert:
+            self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            self._tls.load_cert_chain(sc.tls_cert, sc.tls_key)
+        self.sock = socket.create_server((sc.host, sc.port), backlog=128, reuse_port=False)
+        self.port = self.sock.getsockname()[1]
+        self._metrics_server = None
+        if sc.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self._metrics_server, _ = start_http_server(sc.metrics_port, addr=sc.host, registry=self.store.metrics.registry)
+            self.metrics_port = self._metrics_server.server_port
+
+    def serve_forever(self) -> None:
+        log.info("lmkv serve: listening on %s:%d (tiers: %s)", self.cfg.server.host, self.port,
+                 ", ".join(t.name for t in self.store.tiers))
+        self.sock.settimeout(0.5)
+        while not self.stopping.is_set():
+            try:
+                conn, addr = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.stopping.is_set():
+                    break
+                raise
+            threading.Thread(target=self._serve_one, args=(conn, addr), daemon=True,
+                             name=f"lmkv-serve-{addr[0]}:{addr[1]}").start()
+
+    def _serve_one(self, conn: socket.socket, addr) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        if not self._slots.acquire(blocking=False):
+            log.warning("lmkv serve: refusing %s: %d clients connected", peer, self.cfg.server.max_connections)
+            try:
+                conn.sendall(frame(1, encode(ErrorReply("server full: too many connections"))))
+            finally:
+                conn.close()
+            return
+        try:
+            conn.settimeout(self.cfg.server.idle_timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                try:
+                    conn = self._tls.wrap_socket(conn, server_side=True)
+                except (ssl.SSLError, OSError) as e:
+                    log.info("lmkv serve: %s: TLS handshake failed (%s)", peer, e)
+                    conn.close()
+                    return
+            client = Client(self, conn, peer)
+            with self._lock:
+                self._clients.add(client)
+            try:
+                client.serve()
+            except LMKVError:
+                log.exception("lmkv serve: %s: request failed", peer)
+            finally:
+                with self._lock:
+                    self._clients.discard(client)
+        finally:
+            self._slots.release()
+
+    def stop(self) -> None:
+        """Stop accepting, close every client, flush and close the tiers."""
+        self.stopping.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            clients = list(self._clients)
+        for c in clients:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self.store.close()
+
+
+def serve(cfg: LMKVConfig) -> int:
+    """Run until SIGINT/SIGTERM."""
+    server = Server(cfg)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stopping.set())
+    print(f"lmkv serve: lmkv://{cfg.server.host}:{server.port}" + (f" (pid {os.getpid()})"), flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.stop()
+    return 0

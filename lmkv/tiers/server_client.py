@@ -1,0 +1,273 @@
+"""The lmkv server as a tier (``remote.url: lmkv://host:port``; ``lmkvs://`` for TLS).
+
+A pool of blocking connections, one per concurrent caller (the store's I/O
+threads, a layerwise loader). Page bytes are received with ``recv_into``
+straight into the caller's buffers and sent from the caller's buffers; nothing
+is copied into intermediate ``bytes``. On the server's host each connection
+also gets a shared-memory window (:mod:`lmkv.shm_window`) and bulk bytes cross
+it instead of the socket. A connection that fails is dropped; the next call
+opens a fresh one, so a restarted server is picked up without the engine
+noticing more than a few misses.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from collections.abc import Sequence
+from contextlib import contextmanager
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from lmkv import shm_window
+from lmkv.config import ConfigError, RemoteConfig
+from lmkv.errors import TierUnavailableError
+from lmkv.layout import GroupLayout
+from lmkv.page import PageHeader, as_bytes_view
+from lmkv.protocol import (
+    MAX_KEYS,
+    PROTOCOL_VERSION,
+    Clear,
+    Count,
+    Empty,
+    ErrorReply,
+    Exists,
+    Get,
+    GetReply,
+    Hello,
+    HelloReply,
+    Keys,
+    LayoutMsg,
+    Op,
+    ProtocolError,
+    Put,
+    RemoteError,
+    Stats,
+    Stored,
+    decode_reply,
+    encode,
+    frame,
+    read_frame,
+    recv_exact,
+)
+from lmkv.server import is_loopback
+from lmkv.tiers.base import Range
+from lmkv.tiers.remote import RemoteTier
+
+
+class Connection:
+    """One authenticated connection (and its window, on the server's host)."""
+
+    def __init__(self, cfg: RemoteConfig, host: str, port: int, tls: bool, namespace: str) -> None:
+        self.window: np.ndarray | None = None
+        self._map = None
+        sock = socket.create_connection((host, port), timeout=cfg.connect_timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(cfg.timeout)
+            if tls:
+                ctx = ssl.create_default_context(cafile=cfg.tls_ca)
+                if not cfg.tls_verify:
+                    ctx.check_hostname = False
+                    ctx.verify_mode = ssl.CERT_NONE
+                sock = ctx.wrap_socket(sock, server_hostname=host)
+            self.sock = sock
+            self.max_bulk = 1 << 20
+            name = secret = None
+            if cfg.shm == "auto" and is_loopback(host):
+                try:
+                    name, secret, self._map = shm_window.create(int(cfg.shm_size))
+                except OSError:
+                    name = secret = None
+            try:
+                hello = self.call(Op.HELLO, Hello(PROTOCOL_VERSION, namespace, cfg.token, name, secret), HelloReply)
+            finally:
+                if name:
+                    shm_window.unlink(name)
+            self.max_bulk = hello.max_bulk
+            if hello.shm and self._map is not None:
+                self.window = np.frombuffer(self._map, np.uint8)[shm_window.HEADER :]
+            elif self._map is not None:
+                self._map.close()
+                self._map = None
+        except BaseException:
+            sock.close()
+            raise
+
+    def send(self, op: Op, meta, bulks: Sequence = ()) -> None:
+        views = [as_bytes_view(b) for b in bulks]
+        self.sock.sendall(frame(op, encode(meta), sum(len(v) for v in views)))
+        for v in views:
+            self.sock.sendall(v)
+
+    def reply(self, typ: type):
+        """(reply, bulk length left on the socket); an error reply raises RemoteError."""
+        status, meta, bulk = read_frame(self.sock, self.max_bulk)
+        if status != 0:
+            raise RemoteError(decode_reply(meta, ErrorReply).error)
+        return decode_reply(meta, typ), bulk
+
+    def call(self, op: Op, meta, typ: type, bulks: Sequence = ()):
+        self.send(op, meta, bulks)
+        rep, bulk = self.reply(typ)
+        if bulk:
+            raise ProtocolError(f"unexpected {bulk}-byte bulk in a {op.name} reply")
+        return rep
+
+    def close(self) -> None:
+        self.window = None
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+
+
+def parse_url(url: str) -> tuple[str, int, bool]:
+    parts = urlsplit(url)
+    if not parts.hostname or not parts.port:
+        raise ConfigError(f"remote.url = {url!r}: expected lmkv://host:port")
+    return parts.hostname, parts.port, parts.scheme == "lmkvs"
+
+
+class ServerTier(RemoteTier):
+    def __init__(self, cfg: RemoteConfig, namespace: str = "default", name: str = "server") -> None:
+        super().__init__(name, cfg)
+        self.host, self.port, self.tls = parse_url(cfg.url or "")
+        self.namespace = namespace
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(cfg.max_connections)
+        self._layouts: dict[int, LayoutMsg] = {}
+
+    @contextmanager
+    def _conn(self):
+        """A pooled connection; any transport failure drops it and means the server is unreachable."""
+        if not self._slots.acquire(timeout=self.cfg.timeout):
+            raise TierUnavailableError(f"{self.name}: all {self.cfg.max_connections} connections busy")
+        conn = None
+        try:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                conn = Connection(self.cfg, self.host, self.port, self.tls, self.namespace)
+            yield conn
+        except RemoteError:
+            raise  # the server refused this request; the connection is fine
+        except (OSError, ProtocolError) as err:
+            if conn is not None:
+                conn.close()
+                conn = None
+            raise TierUnavailableError(f"{self.name} {self.host}:{self.port}: {err}") from err
+        except BaseException:
+            if conn is not None:  # mid-request: the stream may be out of step
+                conn.close()
+                conn = None
+            raise
+        finally:
+            if conn is not None:
+                with self._lock:
+                    self._idle.append(conn)
+            self._slots.release()
+
+    def _layout_msg(self, layout: GroupLayout) -> LayoutMsg:
+        msg = self._layouts.get(layout.fingerprint)
+        if msg is None:
+            msg = self._layouts[layout.fingerprint] = LayoutMsg.of(layout)
+        return msg
+
+    # -- primitives ----------------------------------------------------------
+
+    def _ping(self) -> None:
+        with self._conn() as c:
+            c.call(Op.PING, Empty(), Empty)
+
+    def _exists(self, keys: Sequence[bytes]) -> list[bool]:
+        out: list[bool] = []
+        with self._conn() as c:
+            for i in range(0, len(keys), MAX_KEYS):
+                out += c.call(Op.EXISTS, Keys(list(keys[i : i + MAX_KEYS])), Exists).present
+        return out
+
+    def _read(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence, ranges: Sequence[Range] | None) -> list:
+        want = [(0, layout.payload_bytes)] if ranges is None else [tuple(r) for r in ranges]
+        per_page = sum(b - a for a, b in want)
+        msg = self._layout_msg(layout)
+        out: list = []
+        with self._conn() as c:
+            limit = len(c.window) if c.window is not None else c.max_bulk
+            step = max(1, min(MAX_KEYS, limit // (layout.payload_bytes if c.window is not None else per_page)))
+            for i in range(0, len(keys), step):
+                batch, dsts = list(keys[i : i + step]), [as_bytes_view(o) for o in outs[i : i + step]]
+                c.send(Op.GET, Get(batch, msg, None if ranges is None else [list(r) for r in want], c.window is not None))
+                rep, bulk = c.reply(GetReply)
+                found = [j for j, h in enumerate(rep.headers) if h is not None]
+                if bulk != (0 if c.window is not None else len(found) * per_page) or len(rep.headers) != len(batch):
+                    raise ProtocolError(f"GET reply of {len(rep.headers)} pages and {bulk} bytes does not match")
+                for j in found:
+                    for a, b in want:
+                        if c.window is not None:
+                            base = j * layout.payload_bytes
+                            dsts[j][a:b] = c.window[base + a : base + b]
+                        else:
+                            recv_exact(c.sock, dsts[j][a:b])
+                out += rep.headers
+        return out
+
+    def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
+        out: list[bool] = []
+        with self._conn() as c:
+            limit = len(c.window) if c.window is not None else c.max_bulk
+            i = 0
+            while i < len(pages):
+                batch, size = [], 0
+                while i < len(pages) and len(batch) < MAX_KEYS and (not batch or size + len(pages[i][1]) <= limit):
+                    batch.append(pages[i])
+                    size += len(pages[i][1])
+                    i += 1
+                headers = [h.pack() for h, _ in batch]
+                if c.window is not None and size <= len(c.window):
+                    off = 0
+                    for _, v in batch:
+                        c.window[off : off + len(v)] = np.frombuffer(v, np.uint8)
+                        off += len(v)
+                    out += c.call(Op.PUT, Put(headers, domain, shm=True), Stored).stored
+                else:
+                    out += c.call(Op.PUT, Put(headers, domain), Stored, [v for _, v in batch]).stored
+        return out
+
+    def _delete(self, keys: Sequence[bytes]) -> int:
+        with self._conn() as c:
+            return sum(c.call(Op.DELETE, Keys(list(keys[i : i + MAX_KEYS])), Count).count
+                       for i in range(0, len(keys), MAX_KEYS))
+
+    def _clear(self, domain: str) -> int:
+        with self._conn() as c:
+            return c.call(Op.CLEAR, Clear(domain), Count).count
+
+    def _fetch_usage(self) -> tuple[int, int, int]:
+        tiers = self._stats()
+        return (sum(t.get("used_bytes", 0) for t in tiers.values()),
+                sum(t.get("capacity_bytes", 0) for t in tiers.values()),
+                max((t.get("pages", 0) for t in tiers.values()), default=0))
+
+    def server_stats(self) -> dict[str, dict[str, int]]:
+        """The server's per-tier statistics."""
+        return self._call(self._stats)
+
+    def _stats(self):
+        with self._conn() as c:
+            return c.call(Op.STATS, Empty(), Stats).tiers
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
