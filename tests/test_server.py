@@ -1,0 +1,281 @@
+"""``lmkv serve`` in a real child process, and its client tier over TCP and shared memory."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import random_key, random_payload
+from lmkv.config import ConfigError, RemoteConfig, load_config
+from lmkv.errors import TierUnavailableError
+from lmkv.page import make_header
+from lmkv.protocol import FRAME, MAGIC, Get, Hello, LayoutMsg, Op, RemoteError, encode, frame
+from lmkv.redis_server import free_port
+from lmkv.server import Server, spawn
+from lmkv.store import TieredStore
+from lmkv.tiers.server_client import ServerTier
+
+
+@pytest.fixture(scope="module")
+def server():
+    with spawn("--memory", "512MiB") as s:
+        yield s
+
+
+def _tier(url: str, **kw) -> ServerTier:
+    ns = kw.pop("namespace", "default")
+    return ServerTier(RemoteConfig(url=url, **kw), namespace=ns)
+
+
+def _pages(layout, n, seed=0):
+    keys = [random_key() for _ in range(n)]
+    payloads = [random_payload(layout, seed + i) for i in range(n)]
+    return keys, payloads, [(make_header(k, layout, p), p) for k, p in zip(keys, payloads)]
+
+
+@pytest.mark.parametrize("shm", ["never", "auto"])
+def test_roundtrip(server, layout, shm):
+    t = _tier(server.url, shm=shm)
+    keys, payloads, pages = _pages(layout, 20)
+    assert t.put(pages, "engine") == [True] * 20
+    with t._conn() as c:
+        assert (c.window is not None) == (shm == "auto")
+    assert t.contains(keys + [random_key()]) == [True] * 20 + [False]
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+    assert [h.key for h in t.get(keys, layout, outs)] == keys
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    rng = layout.layer_range(1, 1)
+    out = np.zeros(layout.payload_bytes, np.uint8)
+    assert t.read_ranges(keys[3], layout, [rng], out) is not None
+    assert np.array_equal(out[rng[0]:rng[1]], payloads[3][rng[0]:rng[1]]) and not out[: rng[0]].any()
+    assert t.delete(keys[:5]) == 5
+    assert t.contains(keys[:6]) == [False] * 5 + [True]
+    assert t.stats.corrupt == 0
+    t.close()
+
+
+def test_namespaces_are_isolated(server, layout):
+    a, b = _tier(server.url, namespace="tenant-a"), _tier(server.url, namespace="tenant-b")
+    keys, payloads, pages = _pages(layout, 3)
+    a.put(pages, "engine")
+    assert b.contains(keys) == [False] * 3
+    assert b.get(keys, layout, [np.zeros(layout.payload_bytes, np.uint8)] * 3) == [None] * 3
+    # b stores other bytes under the same keys; a still reads its own
+    other = [(make_header(k, layout, random_payload(layout, 99)), random_payload(layout, 99)) for k in keys]
+    b.put(other, "engine")
+    out = np.zeros(layout.payload_bytes, np.uint8)
+    assert a.get(keys[:1], layout, [out])[0] is not None and np.array_equal(out, payloads[0])
+    a.close()
+    b.close()
+
+
+def test_wrong_layout_is_a_miss(server, layout, mamba_layout):
+    t = _tier(server.url)
+    keys, _, pages = _pages(layout, 1)
+    t.put(pages, "engine")
+    assert t.get(keys, mamba_layout, [np.zeros(mamba_layout.payload_bytes, np.uint8)]) == [None]
+    t.close()
+
+
+def _raw(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return s
+
+
+def _reply(s: socket.socket) -> tuple[int, bytes]:
+    head = b""
+    while len(head) < FRAME.size:
+        chunk = s.recv(FRAME.size - len(head))
+        if not chunk:
+            return -1, b""
+        head += chunk
+    _, status, meta_len, _ = FRAME.unpack(head)
+    meta = b""
+    while len(meta) < meta_len:
+        meta += s.recv(meta_len - len(meta))
+    return status, meta
+
+
+def _hello() -> bytes:
+    return frame(Op.HELLO, encode(Hello(1, "default")))
+
+
+BAD_FRAMES = {
+    "bad magic": b"HTTP/1.1 GET /\r\n\r\n" + b"\0" * 16,
+    "oversized metadata": struct.pack("<4sB3xIQ", MAGIC, Op.EXISTS, 1 << 30, 0),
+    "oversized bulk": struct.pack("<4sB3xIQ", MAGIC, Op.PUT, 0, 1 << 40),
+    "truncated frame": MAGIC + b"\x02",
+}
+
+BAD_REQUESTS = {
+    "not msgpack": frame(Op.EXISTS, b"\xc1\xc1\xc1"),
+    "unknown op": frame(99, b"\x80"),
+    "wrong field types": frame(Op.EXISTS, encode({"keys": "not a list"})),
+    "a 3-byte key": frame(Op.EXISTS, encode({"keys": [b"abc"]})),
+    "too many keys": frame(Op.EXISTS, encode({"keys": [b"k" * 16] * 5000})),
+    "a layout with no layers": frame(Op.GET, encode(Get([b"k" * 16], LayoutMsg("x", "full_attention", 0, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token")))),
+    "ranges off unit boundaries": frame(Op.GET, encode(Get([b"k" * 16], LayoutMsg("x", "full_attention", 2, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token"), [(3, 9)]))),
+    "put bulk that does not match": frame(Op.PUT, encode({"headers": [], "domain": "engine"}), 10) + b"0123456789",
+    "put of a garbage header": frame(Op.PUT, encode({"headers": [b"\0" * 80], "domain": "engine"})),
+    "a bad domain": frame(Op.CLEAR, encode({"domain": "../../etc"})),
+}
+
+
+@pytest.mark.parametrize("case", BAD_FRAMES)
+def test_broken_frames_close_only_that_connection(server, layout, case):
+    good = _tier(server.url)
+    keys, _, pages = _pages(layout, 2)
+    good.put(pages, "engine")
+    s = _raw(server.port)
+    s.sendall(_hello())
+    assert _reply(s)[0] == 0
+    s.sendall(BAD_FRAMES[case])
+    if case == "truncated frame":
+        s.shutdown(socket.SHUT_WR)
+    status, _ = _reply(s)
+    assert status in (1, -1)
+    try:
+        assert s.recv(1) == b""  # closed
+    except ConnectionResetError:
+        pass  # closed with our unread bytes still queued: a reset
+    s.close()
+    assert good.contains(keys) == [True, True]
+    assert server.proc.poll() is None
+    good.close()
+
+
+def test_bad_requests_get_errors_and_the_connection_goes_on(server, layout):
+    s = _raw(server.port)
+    s.sendall(frame(Op.EXISTS, encode({"keys": []})))
+    status, meta = _reply(s)
+    assert status == 1 and b"HELLO" in meta  # nothing before HELLO
+    s.sendall(_hello())
+    assert _reply(s)[0] == 0
+    for name, req in BAD_REQUESTS.items():
+        s.sendall(req)
+        status, meta = _reply(s)
+        assert status == 1, name
+    s.sendall(frame(Op.PING, encode({})))
+    assert _reply(s)[0] == 0  # still in step, still served
+    s.close()
+
+
+def test_token_required_off_loopback_and_checked(layout, monkeypatch):
+    with pytest.raises(ConfigError, match="token"):
+        Server(load_config({"server": {"host": "0.0.0.0", "port": 0}}, environ={}))
+    with spawn("--memory", "64MiB", env={"LMKV_SERVER__TOKEN": "correct-horse"}) as s:
+        good = _tier(s.url, token="correct-horse")
+        keys, _, pages = _pages(layout, 1)
+        assert good.put(pages, "engine") == [True]
+        bad = _tier(s.url, token="wrong-token")
+        with pytest.raises(RemoteError, match="authentication"):
+            bad.contains(keys)
+        none = _tier(s.url)
+        with pytest.raises(RemoteError, match="authentication"):
+            none.contains(keys)
+        for t in (good, bad, none):
+            t.close()
+
+
+def test_tls(tmp_path, layout):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    env = {"LMKV_SERVER__TLS_CERT": str(cert), "LMKV_SERVER__TLS_KEY": str(key)}
+    with spawn("--memory", "64MiB", env=env) as s:
+        url = s.url.replace("lmkv://", "lmkvs://")
+        t = _tier(url, tls_ca=str(cert), shm="never")
+        keys, payloads, pages = _pages(layout, 3)
+        assert t.put(pages, "engine") == [True] * 3
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        assert all(h is not None for h in t.get(keys, layout, outs))
+        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+        plain = _tier(s.url, shm="never", timeout=2)  # a client that does not speak TLS
+        with pytest.raises((TierUnavailableError, RemoteError)):
+            plain.contains(keys)
+        t.close()
+        plain.close()
+
+
+def test_restart_over_disk_keeps_pages_and_clients_reconnect(tmp_path, layout):
+    port = free_port()
+    disk = str(tmp_path / "disk")
+    t = _tier(f"lmkv://127.0.0.1:{port}", timeout=2, connect_timeout=0.5)
+    keys, payloads, pages = _pages(layout, 8)
+    with spawn("--memory", "64MiB", "--disk", disk, port=port):
+        assert t.put(pages, "engine") == [True] * 8
+    # down: a miss, fast, and the tier knows it
+    with pytest.raises(TierUnavailableError):
+        t.contains(keys)
+    assert not t.health.up
+    with spawn("--memory", "64MiB", "--disk", disk, port=port):
+        deadline = time.monotonic() + 15
+        while not t.health.up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert t.health.up
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        assert all(h is not None for h in t.get(keys, layout, outs))
+        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    t.close()
+
+
+def test_memory_stays_within_its_bound(layout):
+    with spawn("--memory", "4MiB") as s:
+        t = _tier(s.url)
+        keys, payloads, pages = _pages(layout, 200)  # 12.5 MiB through a 4 MiB tier
+        for i in range(0, 200, 20):
+            t.put(pages[i : i + 20], "engine")
+        stats = t.server_stats()["memory"]
+        assert stats["used_bytes"] <= stats["capacity_bytes"] == 4 << 20
+        assert stats["evictions"] > 0
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        got = t.get(keys, layout, outs)
+        assert 0 < sum(h is not None for h in got) < 200
+        assert all(np.array_equal(outs[i], payloads[i]) for i, h in enumerate(got) if h is not None)
+        t.close()
+
+
+def test_load_many_clients_nothing_lost_or_corrupt(server, layout):
+    """8 clients x 4 s of mixed put/get/exists: every page read back is checked."""
+    from lmkv.load_test import run_load
+
+    result = run_load(server.url, clients=8, seconds=4.0, layout=layout)
+    assert result.pages_checked > 100
+    assert result.lost == 0 and result.corrupt == 0 and result.errors == 0
+
+
+def test_store_shares_pages_through_the_server(server, layout):
+    cfg = load_config({"remote": {"url": server.url}, "namespace": "store-test"}, environ={})
+    keys, payloads, _ = _pages(layout, 4)
+    with TieredStore(cfg) as a:
+        a.put(keys, [layout] * 4, payloads)
+    with TieredStore(cfg) as b:
+        assert b.lookup(keys).tiers == ("server",) * 4
+        with b.fetch(keys, layout) as f:
+            assert all(np.array_equal(v, p) for v, p in zip(f.views, payloads))
+
+
+def test_server_in_process_survives_a_client_dying_mid_put(layout):
+    srv = Server(load_config({"server": {"port": 0}, "memory": {"capacity": "64MiB"}}, environ={}))
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    s = _raw(srv.port)
+    s.sendall(_hello())
+    _reply(s)
+    keys, _, pages = _pages(layout, 2)
+    s.sendall(frame(Op.PUT, encode({"headers": [h.pack() for h, _ in pages], "domain": "engine"}),
+                    2 * layout.payload_bytes) + b"x" * 1000)
+    s.close()  # gone mid-bulk: the reserved slots must be released
+    time.sleep(0.3)
+    assert srv.store.memory.used_bytes == 0 and len(srv.store.memory) == 0
+    t = _tier(f"lmkv://127.0.0.1:{srv.port}")
+    assert t.put(pages, "engine") == [True, True]
+    t.close()
+    srv.stop()
