@@ -13,6 +13,7 @@ BENCHES = {
     "vllm": "TTFT and a working set over the KV budget on vLLM's CPU engine, vs vLLM and ExampleConnector",
     "faults": "requests served on vLLM's CPU engine while disk-tier loads fail, vs a fault-free run",
     "redis": "the Redis tier's put/get GB/s beside raw redis-py SET/GET on a real redis-server",
+    "server": "lmkv serve put/get GB/s beside a raw loopback socket and memcpy, exists ops/s, a load test",
 }
 
 

@@ -27,11 +27,15 @@ def cuda_available() -> bool:
 class HostArena:
     """``capacity`` bytes as a flat ``numpy.uint8`` array; ``pinned`` says whether it is page-locked."""
 
-    def __init__(self, capacity: int, pin: str = "auto", prefault: bool = False) -> None:
+    def __init__(self, capacity: int, pin: str = "auto", prefault: bool = False, shared: bool = False) -> None:
+        """``shared``: back the arena with a shared-memory window (:mod:`lmkv.shm_window`) that an
+        lmkv server on this host can map, so its pages are copied straight into arena slots.
+        Page-locking wins over sharing: a pinned arena is never shared."""
         if capacity <= 0:
             raise ValueError(f"arena capacity must be > 0, got {capacity}")
         self.capacity = capacity
         self.pinned = False
+        self.window = None
         self._owner: object
         want_pin = pin == "always" or (pin == "auto" and cuda_available())
         if want_pin:
@@ -41,6 +45,12 @@ class HostArena:
             self._owner = t
             self.buf = t.numpy()
             self.pinned = True
+        elif shared:
+            from lmkv.shm_window import create
+
+            self.window = create(capacity, "lmkv-arena")
+            self._owner = self.window
+            self.buf = self.window.buf
         else:
             m = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._owner = m

@@ -13,8 +13,8 @@ The metadata is one msgspec ``Struct`` per op, so every field is type-checked
 on decode. Bulk bytes are the pages' payloads (or the requested ranges of each
 page) back to back in the order of the metadata; they are read with
 ``recv_into`` straight into their destination, never through a ``bytes`` copy.
-Same-host clients may instead name a shared-memory window: bulk then travels
-through it and ``bulk_len`` is 0.
+Same-host clients may instead name shared-memory windows (:mod:`lmkv.shm_window`):
+bulk then travels through them and ``bulk_len`` is 0.
 
 Every length and count read from the peer is bounded before anything is
 allocated; a bad frame is an error reply (or, if the framing itself is broken,
@@ -92,14 +92,17 @@ class Hello(msgspec.Struct):
     version: int
     namespace: str
     token: str | None = None
-    shm_name: str | None = None
+    shm_name: str | None = None  # a staging window for this connection
     shm_secret: bytes | None = None
+    arena_name: str | None = None  # the client's memory-tier arena, shared
+    arena_secret: bytes | None = None
 
 
 class HelloReply(msgspec.Struct):
     version: int
     shm: bool
     max_bulk: int
+    arena: bool = False
 
 
 class Keys(msgspec.Struct):
@@ -115,6 +118,7 @@ class Get(msgspec.Struct):
     layout: LayoutMsg
     ranges: list[tuple[int, int]] | None = None  # None: whole payloads
     shm: bool = False  # write page i at i * (bytes per page) of the client's window
+    dst: list[int] | None = None  # or: write page i at dst[i] of the client's arena
 
 
 class GetReply(msgspec.Struct):
@@ -124,7 +128,8 @@ class GetReply(msgspec.Struct):
 class Put(msgspec.Struct):
     headers: list[bytes]  # packed headers; bulk (or the window, from 0) carries the payloads in order
     domain: str
-    shm: bool = False
+    shm: bool = False  # payloads back to back from 0 of the client's window
+    src: list[int] | None = None  # or: page i's payload at src[i] of the client's arena
 
 
 class Stored(msgspec.Struct):

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import hmac
+import itertools
 import ipaddress
 import logging
 import mmap
@@ -106,8 +107,9 @@ class Client:
         self.peer = peer
         self.ns_seed: bytes | None = None
         self.ns_tag = ""
-        self.window: np.ndarray | None = None
-        self._shm: mmap.mmap | None = None
+        self.window: np.ndarray | None = None  # the connection's staging window
+        self.arena: np.ndarray | None = None  # the client's memory-tier arena
+        self._maps: list[mmap.mmap] = []
 
     # -- helpers ---------------------------------------------------------------
 
@@ -194,24 +196,39 @@ class Client:
             raise _Fatal("namespace must have 1-256 characters")
         self.ns_seed = xxhash.xxh3_128_digest(b"lmkv-ns\0" + req.namespace.encode())
         self.ns_tag = xxhash.xxh3_64_hexdigest(req.namespace.encode())[:12]
-        self.reply(HelloReply(PROTOCOL_VERSION, self.attach(req.shm_name, req.shm_secret), int(cfg.max_bulk)))
+        self.window = self.attach(req.shm_name, req.shm_secret)
+        self.arena = self.attach(req.arena_name, req.arena_secret)
+        self.reply(HelloReply(PROTOCOL_VERSION, self.window is not None, int(cfg.max_bulk), self.arena is not None))
 
-    def attach(self, name: str | None, secret: bytes | None) -> bool:
-        """Map the client's shared-memory window if it is on this host and proves it made it."""
-        if not name or not secret or len(secret) < 16:
-            return False
+    def attach(self, name: str | None, secret: bytes | None) -> np.ndarray | None:
+        """Map one of the client's shared-memory windows if it is on this host and proves it made it."""
+        if not name or not secret:
+            return None
         try:
-            self._shm = shm_window.attach(name)
+            m, buf = shm_window.attach(name, secret)
         except (OSError, ValueError):
-            return False  # another host, or no access: the socket carries the bytes
-        buf = np.frombuffer(self._shm, np.uint8)
-        if len(buf) <= shm_window.HEADER or not hmac.compare_digest(bytes(buf[: len(secret)]), secret):
-            del buf
-            self._shm.close()
-            self._shm = None
-            return False
-        self.window = buf[shm_window.HEADER :]
-        return True
+            return None  # another host, or no access: the socket carries the bytes
+        self._maps.append(m)
+        return buf
+
+    def destinations(self, req, page_bytes: int) -> tuple[np.ndarray, list[int]] | None:
+        """Where a GET's pages go in shared memory (the arena at ``dst``, or the window in order),
+        every page bounds-checked; None: over the socket."""
+        if req.dst is not None:
+            mem, offsets = self.arena, req.dst
+            if mem is None:
+                raise _Refused("no shared arena on this connection")
+            if len(offsets) != len(req.keys):
+                raise _Refused("dst: one offset per key")
+        elif req.shm:
+            mem, offsets = self.window, [i * page_bytes for i in range(len(req.keys))]
+            if mem is None:
+                raise _Refused("no shared-memory window on this connection")
+        else:
+            return None
+        if any(not 0 <= o <= len(mem) - page_bytes for o in offsets):
+            raise _Refused(f"a page does not fit the {len(mem)}-byte shared region")
+        return mem, offsets
 
     def get(self, req, store: TieredStore) -> None:
         _check_keys(req.keys)
@@ -224,11 +241,7 @@ class Client:
             raise _Refused(f"a page of {layout.payload_bytes} bytes exceeds max_bulk {max_bulk}")
         ranges = [(0, layout.payload_bytes)] if req.ranges is None else [tuple(r) for r in req.ranges]
         units_in_ranges(layout, ranges)  # ValueError -> refused: ranges must be whole units
-        if req.shm:
-            if self.window is None:
-                raise _Refused("no shared-memory window on this connection")
-            if len(req.keys) * layout.payload_bytes > len(self.window):
-                raise _Refused(f"{len(req.keys)} pages do not fit the {len(self.window)}-byte window")
+        dst = self.destinations(req, layout.payload_bytes)
         per_page = sum(b - a for a, b in ranges)
         fetched = store.fetch([self.inner(k) for k in req.keys], layout)
         with fetched:
@@ -240,12 +253,12 @@ class Client:
                     continue
                 headers.append(rekey(h, k).pack())
                 found.append((i, v))
-            if req.shm:
-                win = self.window
+            if dst is not None:
+                mem, offsets = dst
                 for i, v in found:
-                    base = i * layout.payload_bytes
+                    base = offsets[i]
                     for a, b in ranges:
-                        win[base + a : base + b] = v[a:b]
+                        mem[base + a : base + b] = v[a:b]
                 self.reply(GetReply(headers))
                 return
             if len(found) * per_page > max_bulk:
@@ -255,6 +268,26 @@ class Client:
                 for a, b in ranges:
                     self.sock.sendall(memoryview(v[a:b]))
 
+    def sources(self, req, headers: list[PageHeader]) -> tuple[np.ndarray, list[int]] | None:
+        """Where a PUT's payloads are in shared memory, bounds-checked; None: in the bulk."""
+        sizes = [h.payload_len for h in headers]
+        if req.src is not None:
+            mem, offsets = self.arena, req.src
+            if mem is None:
+                raise _Refused("no shared arena on this connection")
+            if len(offsets) != len(headers):
+                raise _Refused("src: one offset per page")
+        elif req.shm:
+            mem = self.window
+            if mem is None:
+                raise _Refused("no shared-memory window on this connection")
+            offsets = [0, *itertools.accumulate(sizes)][:-1]
+        else:
+            return None
+        if any(not 0 <= o <= len(mem) - n for o, n in zip(offsets, sizes)):
+            raise _Refused(f"a page lies outside the {len(mem)}-byte shared region")
+        return mem, offsets
+
     def put(self, req, bulk: int, store: TieredStore) -> None:
         _check_keys([b"\0" * KEY_BYTES] * len(req.headers))
         try:
@@ -263,12 +296,10 @@ class Client:
             raise _Refused(f"bad page header: {e}") from None
         lays = [opaque_layout(h) for h in headers]
         total = sum(h.payload_len for h in headers)
-        if req.shm:
-            if self.window is None:
-                raise _Refused("no shared-memory window on this connection")
-            if total > len(self.window) or bulk:
-                raise _Refused("pages do not fit the window (or a bulk came with them)")
-        elif bulk != total:
+        src = self.sources(req, headers)
+        if src is not None and bulk:
+            raise _Refused("pages in shared memory and a bulk as well")
+        if src is None and bulk != total:
             raise _Refused(f"bulk of {bulk} bytes; the headers describe {total}")
         inner = [rekey(h, self.inner(h.key)) for h in headers]
         try:
@@ -278,25 +309,24 @@ class Client:
             self.reply(Stored([False] * len(headers)))
             return
         with session:
-            off = 0
             for i, h in enumerate(headers):
                 dst = session.buffer(i)
-                if req.shm:
-                    dst[:] = self.window[off : off + h.payload_len]
+                if src is not None:
+                    mem, offsets = src
+                    dst[:] = mem[offsets[i] : offsets[i] + h.payload_len]
                 else:
                     recv_exact(self.sock, memoryview(dst))
-                off += h.payload_len
             stored = session.commit(inner)
         self.reply(Stored(stored))
 
     def close(self) -> None:
-        self.window = None
-        if self._shm is not None:
+        self.window = self.arena = None
+        for m in self._maps:
             try:
-                self._shm.close()
+                m.close()
             except BufferError:  # a view is still alive in a reply being torn down; the mapping goes with it
                 pass
-            self._shm = None
+        self._maps = []
         try:
             self.sock.close()
         except OSError:

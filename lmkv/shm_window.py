@@ -1,12 +1,16 @@
 """Shared-memory windows: how a client on the server's host moves page bytes without the socket.
 
-The client creates a file in ``/dev/shm`` (mode 0600: only its own user, and so a
-server running as that user, can map it), writes a random secret into its first
-:data:`HEADER` bytes, and names file and secret in ``HELLO``. The server maps it
-only if the secret matches, so a client cannot make the server read or write a
-window it did not create. The client unlinks the file once the server has
-answered: the mapping lives on in both processes and nothing is left behind if
-either dies.
+A window is an anonymous ``memfd`` the client maps; the server maps the same
+memory through ``/proc/<client pid>/fd/<fd>``, which the kernel lets only the
+same user (or root) open. The client writes a random secret into the first
+:data:`HEADER` bytes and names the window and the secret in ``HELLO``; the
+server maps it only if the secret matches, so a client cannot make the server
+read or write memory it did not create. Nothing lives in a file system: the
+memory goes when the last process holding it does, even after a ``SIGKILL``.
+
+A client has one window per connection (a staging area for any caller's
+buffers) and may also share its memory tier's arena: pages then move from the
+server's memory straight into the arena slot the engine loads from.
 """
 
 from __future__ import annotations
@@ -15,40 +19,73 @@ import mmap
 import os
 import re
 import secrets
-from pathlib import Path
+from dataclasses import dataclass
 
-DIR = Path("/dev/shm")
-HEADER = 4096  # the secret lives here; pages start after it
-_NAME = re.compile(r"lmkv-[0-9a-f]{32}")
+import numpy as np
+
+HEADER = 4096  # the secret lives here; usable bytes start after it
+_NAME = re.compile(r"/proc/[0-9]{1,10}/fd/[0-9]{1,10}")
 
 
-def create(size: int) -> tuple[str, bytes, mmap.mmap]:
-    """A new window of ``size`` usable bytes: (name, secret, mapping)."""
-    name = f"lmkv-{secrets.token_hex(16)}"
-    fd = os.open(DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+@dataclass
+class Window:
+    name: str  # what the server opens
+    secret: bytes
+    fd: int
+    map: mmap.mmap
+    buf: np.ndarray  # the usable bytes
+
+    def close(self) -> None:
+        self.buf = np.empty(0, np.uint8)
+        try:
+            self.map.close()
+        except BufferError:  # a view is still alive; the mapping goes with it
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def create(size: int, label: str = "lmkv-window") -> Window:
+    """A new window of ``size`` usable bytes."""
+    fd = os.memfd_create(label, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, HEADER + size)
         m = mmap.mmap(fd, HEADER + size)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     secret = secrets.token_bytes(32)
     m[: len(secret)] = secret
-    return name, secret, m
+    buf = np.frombuffer(m, np.uint8)[HEADER:]
+    return Window(f"/proc/{os.getpid()}/fd/{fd}", secret, fd, m, buf)
 
 
-def attach(name: str) -> mmap.mmap:
-    """Map a client's window by name (ValueError for a name lmkv did not make, OSError if absent)."""
-    if not _NAME.fullmatch(name):
-        raise ValueError(f"not an lmkv window name: {name!r}")
-    fd = os.open(DIR / name, os.O_RDWR)
+def attach(name: str, secret: bytes) -> tuple[mmap.mmap, np.ndarray]:
+    """Map a client's window (ValueError: not a window name, or the secret does not match;
+    OSError: not reachable from here, e.g. the client is on another host)."""
+    if not _NAME.fullmatch(name) or len(secret) < 16:
+        raise ValueError(f"not an lmkv window: {name!r}")
+    fd = os.open(name, os.O_RDWR)
     try:
-        return mmap.mmap(fd, 0)
+        m = mmap.mmap(fd, 0)
     finally:
         os.close(fd)
+    buf = np.frombuffer(m, np.uint8)
+    if len(buf) <= HEADER or bytes(buf[: len(secret)]) != secret:
+        del buf
+        m.close()
+        raise ValueError("window secret does not match")
+    return m, buf[HEADER:]
 
 
-def unlink(name: str) -> None:
-    try:
-        os.unlink(DIR / name)
-    except FileNotFoundError:
-        pass
+def offset_in(window: np.ndarray, arr) -> int | None:
+    """Where a contiguous buffer starts inside ``window``, or None if it is not wholly inside."""
+    if not isinstance(arr, np.ndarray):
+        arr = np.frombuffer(arr, np.uint8)
+    if not arr.flags.c_contiguous:
+        return None
+    base = window.__array_interface__["data"][0]
+    ptr = arr.__array_interface__["data"][0]
+    off = ptr - base
+    return off if 0 <= off and off + arr.nbytes <= window.nbytes else None

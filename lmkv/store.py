@@ -126,12 +126,15 @@ class TieredStore:
         """Memory first, then the disk tier if configured, then ``lower`` tiers, then ``remote.url``'s tier."""
         self.cfg = cfg
         self.domain = cfg.domain
-        self.memory = MemoryTier(cfg.memory, on_evict=self._demote)
+        remote = open_remote(cfg.remote, cfg.namespace)
+        share = remote is not None and remote.wants_arena
+        self.memory = MemoryTier(cfg.memory, on_evict=self._demote, shared=share)
+        if share and self.memory.arena_window is not None:
+            remote.share_arena(self.memory.arena_window)
         tiers: list[Tier] = [self.memory]
         if cfg.disk.path:
             tiers.append(DiskTier(cfg.disk))
         tiers.extend(lower)
-        remote = open_remote(cfg.remote, cfg.namespace)
         if remote is not None:
             tiers.append(remote)
         unknown = set(cfg.faults) - {t.name for t in tiers[1:]}

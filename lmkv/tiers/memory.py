@@ -66,14 +66,16 @@ class Lease:
 
 
 class MemoryTier(LocalTier):
-    def __init__(self, cfg: MemoryConfig, name: str = "memory", on_evict: EvictHook | None = None) -> None:
+    def __init__(self, cfg: MemoryConfig, name: str = "memory", on_evict: EvictHook | None = None,
+                 shared: bool = False) -> None:
+        """``shared``: the arena is a shared-memory window an lmkv server on this host can map."""
         super().__init__(name)
         self.cfg = cfg
         self.verifies = cfg.verify_checksums
         self.on_evict = on_evict
         #: told of every key published or removed (see :mod:`lmkv.residency`)
         self.listener: ResidencyLog | None = None
-        self._arena = HostArena(int(cfg.capacity), cfg.pin, cfg.prefault)
+        self._arena = HostArena(int(cfg.capacity), cfg.pin, cfg.prefault, shared)
         self._alloc = SlabAllocator(int(cfg.capacity), int(cfg.slab_size))
         self._policies: dict[int, EvictionPolicy] = {}
         self._index: dict[bytes, _Entry] = {}
@@ -86,6 +88,11 @@ class MemoryTier(LocalTier):
     @property
     def pinned(self) -> bool:
         return self._arena.pinned
+
+    @property
+    def arena_window(self):
+        """The arena's shared-memory window (None unless shared and not pinned)."""
+        return self._arena.window
 
     def _view(self, e: _Entry) -> np.ndarray:
         return self._arena.view(e.offset, e.header.payload_len)

@@ -19,6 +19,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -127,12 +128,26 @@ class BufferedSession(WriteSession):
         self._bufs = []
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A read whose header a subclass already parsed and whose payload it already verified
+    (e.g. while the next page was still arriving)."""
+
+    header: PageHeader
+
+
 class RemoteTier(Tier):
     """A tier behind a network connection. Subclasses move bytes; this class checks them.
 
     Subclasses implement the primitives below and raise :class:`TierUnavailableError`
     for anything that means the backend cannot be reached or did not answer in time.
     """
+
+    #: whether the store should give this tier its memory arena to write into (lmkv server, same host)
+    wants_arena: bool = False
+
+    def share_arena(self, window) -> None:
+        """Let the backend write pages straight into the memory tier's arena (see ``wants_arena``)."""
 
     def __init__(self, name: str, cfg: RemoteConfig) -> None:
         super().__init__(name)
@@ -190,10 +205,11 @@ class RemoteTier(Tier):
             self.stats.misses += 1
             return None
         try:
-            h = raw if isinstance(raw, PageHeader) else unpack_header(raw, expect_key=key, layout=layout)
+            checked = isinstance(raw, Checked)
+            h = raw.header if checked else raw if isinstance(raw, PageHeader) else unpack_header(raw, expect_key=key, layout=layout)
             if h.key != key or h.layout_fp != layout.fingerprint:
                 raise PageFormatError(f"page {h.key.hex()} of layout {h.layout_fp:#x} asked for as {key.hex()}")
-            if self.verifies:
+            if self.verifies and not checked:
                 if units is None:
                     verify_payload(h, layout, out)
                 else:

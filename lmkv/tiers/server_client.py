@@ -16,6 +16,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
@@ -23,9 +24,9 @@ import numpy as np
 
 from lmkv import shm_window
 from lmkv.config import ConfigError, RemoteConfig
-from lmkv.errors import TierUnavailableError
+from lmkv.errors import PageError, TierUnavailableError
 from lmkv.layout import GroupLayout
-from lmkv.page import PageHeader, as_bytes_view
+from lmkv.page import PageHeader, as_bytes_view, unpack_header, units_in_ranges, verify_units
 from lmkv.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
@@ -54,15 +55,17 @@ from lmkv.protocol import (
 )
 from lmkv.server import is_loopback
 from lmkv.tiers.base import Range
-from lmkv.tiers.remote import RemoteTier
+from lmkv.tiers.remote import Checked, RemoteTier
 
 
 class Connection:
-    """One authenticated connection (and its window, on the server's host)."""
+    """One authenticated connection, with its staging window and the shared arena on the server's host."""
 
-    def __init__(self, cfg: RemoteConfig, host: str, port: int, tls: bool, namespace: str) -> None:
-        self.window: np.ndarray | None = None
-        self._map = None
+    def __init__(self, cfg: RemoteConfig, host: str, port: int, tls: bool, namespace: str,
+                 arena: shm_window.Window | None = None) -> None:
+        self.window: np.ndarray | None = None  # this connection's staging window
+        self.arena = False  # whether the server mapped the shared arena
+        self._win: shm_window.Window | None = None
         sock = socket.create_connection((host, port), timeout=cfg.connect_timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -75,25 +78,26 @@ class Connection:
                 sock = ctx.wrap_socket(sock, server_hostname=host)
             self.sock = sock
             self.max_bulk = 1 << 20
-            name = secret = None
             if cfg.shm == "auto" and is_loopback(host):
                 try:
-                    name, secret, self._map = shm_window.create(int(cfg.shm_size))
+                    self._win = shm_window.create(int(cfg.shm_size))
                 except OSError:
-                    name = secret = None
-            try:
-                hello = self.call(Op.HELLO, Hello(PROTOCOL_VERSION, namespace, cfg.token, name, secret), HelloReply)
-            finally:
-                if name:
-                    shm_window.unlink(name)
-            self.max_bulk = hello.max_bulk
-            if hello.shm and self._map is not None:
-                self.window = np.frombuffer(self._map, np.uint8)[shm_window.HEADER :]
-            elif self._map is not None:
-                self._map.close()
-                self._map = None
+                    self._win = None
+            hello = Hello(PROTOCOL_VERSION, namespace, cfg.token,
+                          self._win.name if self._win else None, self._win.secret if self._win else None,
+                          arena.name if arena else None, arena.secret if arena else None)
+            rep = self.call(Op.HELLO, hello, HelloReply)
+            self.max_bulk = rep.max_bulk
+            self.arena = rep.arena
+            if rep.shm and self._win is not None:
+                self.window = self._win.buf
+            elif self._win is not None:
+                self._win.close()
+                self._win = None
         except BaseException:
             sock.close()
+            if self._win is not None:
+                self._win.close()
             raise
 
     def send(self, op: Op, meta, bulks: Sequence = ()) -> None:
@@ -122,11 +126,8 @@ class Connection:
             self.sock.close()
         except OSError:
             pass
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass
+        if self._win is not None:
+            self._win.close()
 
 
 def parse_url(url: str) -> tuple[str, int, bool]:
@@ -145,6 +146,15 @@ class ServerTier(RemoteTier):
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(cfg.max_connections)
         self._layouts: dict[int, LayoutMsg] = {}
+        self._arena: shm_window.Window | None = None
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"lmkv-{name}-verify")
+
+    @property
+    def wants_arena(self) -> bool:
+        return self.cfg.shm == "auto" and is_loopback(self.host)
+
+    def share_arena(self, window: shm_window.Window) -> None:
+        self._arena = window
 
     @contextmanager
     def _conn(self):
@@ -156,7 +166,7 @@ class ServerTier(RemoteTier):
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                conn = Connection(self.cfg, self.host, self.port, self.tls, self.namespace)
+                conn = Connection(self.cfg, self.host, self.port, self.tls, self.namespace, self._arena)
             yield conn
         except RemoteError:
             raise  # the server refused this request; the connection is fine
@@ -195,34 +205,70 @@ class ServerTier(RemoteTier):
                 out += c.call(Op.EXISTS, Keys(list(keys[i : i + MAX_KEYS])), Exists).present
         return out
 
+    def _arena_offsets(self, c: Connection, bufs: Sequence) -> list[int] | None:
+        """Offsets of every buffer in the shared arena, if the server mapped it and all lie inside."""
+        if not c.arena or self._arena is None:
+            return None
+        offsets = [shm_window.offset_in(self._arena.buf, b) for b in bufs]
+        return None if any(o is None for o in offsets) else offsets  # type: ignore[return-value]
+
+    def _verified(self, key: bytes, raw: bytes, layout: GroupLayout, out, units: list[int]):
+        """Parse and verify one page (on the verifier thread, while the next page arrives)."""
+        try:
+            h = unpack_header(raw, expect_key=key, layout=layout)
+            verify_units(h, layout, out, units)
+        except PageError:
+            return raw  # the caller's check counts and drops it
+        return Checked(h)
+
     def _read(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence, ranges: Sequence[Range] | None) -> list:
         want = [(0, layout.payload_bytes)] if ranges is None else [tuple(r) for r in ranges]
+        units = units_in_ranges(layout, want)
         per_page = sum(b - a for a, b in want)
         msg = self._layout_msg(layout)
+        wire_ranges = None if ranges is None else [list(r) for r in want]
         out: list = []
         with self._conn() as c:
-            limit = len(c.window) if c.window is not None else c.max_bulk
-            step = max(1, min(MAX_KEYS, limit // (layout.payload_bytes if c.window is not None else per_page)))
+            dst = self._arena_offsets(c, outs)
+            if dst is not None:  # the server copies straight into the caller's arena slots
+                for i in range(0, len(keys), MAX_KEYS):
+                    rep = c.call(Op.GET, Get(list(keys[i : i + MAX_KEYS]), msg, wire_ranges, dst=dst[i : i + MAX_KEYS]), GetReply)
+                    out += rep.headers
+                return out
+            staged = c.window is not None and layout.payload_bytes <= len(c.window)
+            if staged:
+                step = min(MAX_KEYS, len(c.window) // layout.payload_bytes)
+            else:
+                step = max(1, min(MAX_KEYS, c.max_bulk // per_page))
             for i in range(0, len(keys), step):
                 batch, dsts = list(keys[i : i + step]), [as_bytes_view(o) for o in outs[i : i + step]]
-                c.send(Op.GET, Get(batch, msg, None if ranges is None else [list(r) for r in want], c.window is not None))
+                c.send(Op.GET, Get(batch, msg, wire_ranges, staged))
                 rep, bulk = c.reply(GetReply)
                 found = [j for j, h in enumerate(rep.headers) if h is not None]
-                if bulk != (0 if c.window is not None else len(found) * per_page) or len(rep.headers) != len(batch):
+                if bulk != (0 if staged else len(found) * per_page) or len(rep.headers) != len(batch):
                     raise ProtocolError(f"GET reply of {len(rep.headers)} pages and {bulk} bytes does not match")
+                results: list = list(rep.headers)
                 for j in found:
                     for a, b in want:
-                        if c.window is not None:
+                        if staged:
                             base = j * layout.payload_bytes
                             dsts[j][a:b] = c.window[base + a : base + b]
                         else:
                             recv_exact(c.sock, dsts[j][a:b])
-                out += rep.headers
+                    if self.verifies:
+                        results[j] = self._verifier.submit(self._verified, batch[j], rep.headers[j], layout, dsts[j], units)
+                out += [r.result() if isinstance(r, Future) else r for r in results]
         return out
 
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
         out: list[bool] = []
         with self._conn() as c:
+            src = self._arena_offsets(c, [v for _, v in pages])
+            if src is not None:  # the server copies straight from the caller's arena slots
+                for i in range(0, len(pages), MAX_KEYS):
+                    headers = [h.pack() for h, _ in pages[i : i + MAX_KEYS]]
+                    out += c.call(Op.PUT, Put(headers, domain, src=src[i : i + MAX_KEYS]), Stored).stored
+                return out
             limit = len(c.window) if c.window is not None else c.max_bulk
             i = 0
             while i < len(pages):
@@ -267,6 +313,7 @@ class ServerTier(RemoteTier):
 
     def close(self) -> None:
         super().close()
+        self._verifier.shutdown(wait=False)
         with self._lock:
             idle, self._idle = self._idle, []
         for c in idle:
