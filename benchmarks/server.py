@@ -24,7 +24,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -159,7 +158,6 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
             report.add(f"server.exists.batch{2 * n}", exists_batch, "keys/s")
             tcp.close()
             shm.close()
-            del arena_outs, arena_srcs, arena_pages
             arena.close()
             log.info("load test: %d clients for %.0f s", load_clients, load_seconds)
             res = run_load(server.url, load_clients, load_seconds, bench_layout(256 << 10), keys_per_client=32)

@@ -31,6 +31,7 @@ import msgspec
 
 from lmkv.errors import LMKVError
 from lmkv.layout import GroupLayout, Growth, Segment, StateKind
+from lmkv.page import MAX_UNITS
 
 MAGIC = b"LKV1"
 FRAME = struct.Struct("<4sB3xIQ")
@@ -82,7 +83,9 @@ class LayoutMsg(msgspec.Struct, array_like=True):
                    lay.sliding_window, lay.growth.value)
 
     def layout(self) -> GroupLayout:
-        """The layout, validated (raises ValueError on anything inconsistent)."""
+        """The layout, validated and bounded (raises ValueError on anything inconsistent)."""
+        if not 0 < len(self.segments) <= 64 or not 0 < self.num_layers * len(self.segments) <= MAX_UNITS:
+            raise ValueError(f"{self.num_layers} layers x {len(self.segments)} segments is out of bounds")
         return GroupLayout(self.name, StateKind(self.kind), self.num_layers,
                            tuple(Segment(n, b) for n, b in self.segments), self.tokens_per_page, self.dtype,
                            self.tp_size, self.tp_rank, self.tp_replicas, self.sliding_window, Growth(self.growth))

@@ -187,6 +187,8 @@ class Client:
 
     def hello(self, req) -> None:
         cfg = self.server.cfg.server
+        if self.ns_seed is not None:
+            raise _Fatal("HELLO twice on one connection")
         if req.version != PROTOCOL_VERSION:
             raise _Fatal(f"protocol version {req.version}; this server speaks {PROTOCOL_VERSION}")
         if cfg.token is not None and not hmac.compare_digest((req.token or "").encode(), cfg.token.encode()):

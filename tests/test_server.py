@@ -111,6 +111,7 @@ BAD_FRAMES = {
     "oversized metadata": struct.pack("<4sB3xIQ", MAGIC, Op.EXISTS, 1 << 30, 0),
     "oversized bulk": struct.pack("<4sB3xIQ", MAGIC, Op.PUT, 0, 1 << 40),
     "truncated frame": MAGIC + b"\x02",
+    "a second HELLO": frame(Op.HELLO, encode(Hello(1, "other-tenant"))),
 }
 
 BAD_REQUESTS = {
@@ -124,6 +125,8 @@ BAD_REQUESTS = {
     "put bulk that does not match": frame(Op.PUT, encode({"headers": [], "domain": "engine"}), 10) + b"0123456789",
     "put of a garbage header": frame(Op.PUT, encode({"headers": [b"\0" * 80], "domain": "engine"})),
     "a bad domain": frame(Op.CLEAR, encode({"domain": "../../etc"})),
+    "a layout of a million layers": frame(Op.GET, encode(Get([b"k" * 16], LayoutMsg("x", "full_attention", 10**6, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token")))),
+    "shared memory never mapped": frame(Op.GET, encode(Get([b"k" * 16], LayoutMsg("x", "full_attention", 2, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token"), dst=[0]))),
 }
 
 
@@ -249,6 +252,7 @@ def test_load_many_clients_nothing_lost_or_corrupt(server, layout):
     result = run_load(server.url, clients=8, seconds=4.0, layout=layout)
     assert result.pages_checked > 100
     assert result.lost == 0 and result.corrupt == 0 and result.errors == 0
+    assert result.server_evictions == 0 and result.server_memory_used <= result.server_memory_capacity
 
 
 def test_store_shares_pages_through_the_server(server, layout):
@@ -279,3 +283,18 @@ def test_server_in_process_survives_a_client_dying_mid_put(layout):
     assert t.put(pages, "engine") == [True, True]
     t.close()
     srv.stop()
+
+
+def test_prometheus_endpoint(layout):
+    import urllib.request
+
+    mport = free_port()
+    with spawn("--memory", "64MiB", "--metrics-port", str(mport)) as s:
+        t = _tier(s.url)
+        keys, _, pages = _pages(layout, 3)
+        t.put(pages, "engine")
+        t.get(keys, layout, [np.zeros(layout.payload_bytes, np.uint8) for _ in keys])
+        body = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+        assert 'lmkv_puts_total{tier="memory"} 3.0' in body
+        assert 'lmkv_pages{tier="memory"} 3.0' in body
+        t.close()
