@@ -359,12 +359,14 @@ class LMKVWorkerExtension:
     def lmkv_stats(self) -> dict[str, Any]:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-        out: dict[str, Any] = {"tiers": {}, "transfers": {}}
+        out: dict[str, Any] = {"tiers": {}, "transfers": {}, "writes": {}}
         for store in live_stores().values():
             for tier, counts in store.stats().items():
                 agg = out["tiers"].setdefault(tier, {})
                 for k, v in counts.items():
                     agg[k] = agg.get(k, 0) + v
+            for k, v in vars(store.writes).items():
+                out["writes"][k] = out["writes"].get(k, 0) + v
         if has_kv_transfer_group():
             conn = get_kv_transfer_group()
             if isinstance(conn, LMKVConnector) and conn.worker is not None:

@@ -78,6 +78,12 @@ class StoreConfig(_Section):
         "when memory evicts them (fewer disk writes, but an eviction waits for its write)",
     )
     promote_on_hit: bool = Field(True, description="copy a lower-tier hit into memory")
+    failed_writes: Literal["retry", "drop"] = Field(
+        "retry",
+        description="a copy down that a tier refused (down, full): retry it from memory when that "
+        "tier next takes a write, or drop it; either way it is counted and never fails inference",
+    )
+    retry_pages: int = Field(65536, ge=0, description="pages queued for retry per tier; the oldest are dropped")
     io_threads: int = Field(4, ge=1, le=64, description="background I/O threads")
 
 

@@ -59,12 +59,27 @@ class _TierCollector(Collector):
         yield g
 
 
+class _WriteCollector(Collector):
+    def __init__(self, writes: Callable[[], object]) -> None:
+        self._writes = writes
+
+    def collect(self) -> Iterator:
+        fam = CounterMetricFamily("lmkv_writes_down", "copies to lower tiers that failed, were retried "
+                                  "from memory, or were given up", labels=["outcome"])
+        w = self._writes()
+        for outcome in ("failed", "retried", "dropped"):
+            fam.add_metric([outcome], getattr(w, outcome))
+        yield fam
+
+
 class Metrics:
     """One store's metrics; ``registry`` can be served with prometheus_client."""
 
-    def __init__(self, tiers: Callable[[], Sequence[Tier]]) -> None:
+    def __init__(self, tiers: Callable[[], Sequence[Tier]], writes: Callable[[], object] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_TierCollector(tiers))
+        if writes is not None:
+            self.registry.register(_WriteCollector(writes))
         self.latency = Histogram(
             "lmkv_op_seconds", "latency of store operations", ["op"], registry=self.registry,
             buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1, 5),

@@ -116,15 +116,14 @@ def start_cluster(nodes: int = 3) -> RedisProcesses:
                                           "--cluster-node-timeout", "2000"]))
         subprocess.run([_binary("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            out = subprocess.run([_binary("redis-cli"), "-p", str(ports[0]), "cluster", "info"],
-                                 capture_output=True, text=True).stdout
-            if "cluster_state:ok" in out:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # every node must know every slot's owner
+            if all("cluster_state:ok" in subprocess.run([_binary("redis-cli"), "-p", str(p), "cluster", "info"],
+                                                        capture_output=True, text=True).stdout for p in ports):
                 break
             time.sleep(0.1)
         else:
-            raise RuntimeError("redis cluster did not reach cluster_state:ok")
+            raise RuntimeError("redis cluster did not reach cluster_state:ok on every node")
     except BaseException:
         RedisProcesses("", ports, procs, workdir).stop()
         raise

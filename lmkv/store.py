@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -110,6 +111,19 @@ class Fetched:
         self.release()
 
 
+@dataclass
+class WriteStats:
+    """Copies down to lower tiers that failed, were retried from memory, or were given up."""
+
+    failed: int = 0
+    retried: int = 0
+    dropped: int = 0
+
+    @property
+    def queued(self) -> int:
+        return self.failed - self.retried - self.dropped
+
+
 @dataclass(frozen=True)
 class Lookup:
     """Where each page of the hit prefix lives (the tier name), fastest first."""
@@ -141,10 +155,13 @@ class TieredStore:
         if unknown:
             raise ValueError(f"faults: no lower tier named {sorted(unknown)} (tiers: {[t.name for t in tiers[1:]]})")
         self.tiers = [tiers[0]] + [FaultyTier(t, cfg.faults[t.name]) if t.name in cfg.faults else t for t in tiers[1:]]
-        self.metrics = Metrics(lambda: self.tiers)
+        self.writes = WriteStats()
+        self.metrics = Metrics(lambda: self.tiers, lambda: self.writes)
         self._pool = ThreadPoolExecutor(cfg.store.io_threads, thread_name_prefix="lmkv-io")
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
+        self._retry: dict[str, OrderedDict[bytes, str]] = {}  # tier -> key -> domain, oldest first
+        self._retry_lock = threading.Lock()
 
     # -- lookup ------------------------------------------------------------
 
@@ -257,13 +274,61 @@ class TieredStore:
         stored = self.memory.put(pages, domain)
         if self.cfg.store.write_policy == "write_through":
             for tier in self.tiers[1:]:
+                stored = [a or b for a, b in zip(stored, self.write_down(tier, pages, domain))]
+        return stored
+
+    def write_down(self, tier: Tier, pages: Sequence[tuple[PageHeader, object]], domain: str,
+                   from_memory: bool = True) -> list[bool]:
+        """Copy pages to a lower tier. A tier that fails never fails the caller: the failure is
+        counted and, under ``store.failed_writes: retry``, the pages are copied again from memory
+        the next time that tier takes a write (``from_memory=False``: memory is losing them, so
+        they are dropped)."""
+        try:
+            stored = tier.put(pages, domain)
+        except (LMKVError, OSError) as err:
+            _tier_failed(tier, "write", err)
+            self.writes.failed += len(pages)
+            if from_memory and self.cfg.store.failed_writes == "retry":
+                self._queue_retry(tier.name, [h.key for h, _ in pages], domain)
+            else:
+                self.writes.dropped += len(pages)
+            return [False] * len(pages)
+        if self._retry.get(tier.name):
+            self._run_retries(tier)
+        return stored
+
+    def _queue_retry(self, tier: str, keys: Sequence[bytes], domain: str) -> None:
+        cap = self.cfg.store.retry_pages
+        with self._retry_lock:
+            q = self._retry.setdefault(tier, OrderedDict())
+            for k in keys:
+                q[k] = domain
+                q.move_to_end(k)
+            while len(q) > cap:
+                q.popitem(last=False)
+                self.writes.dropped += 1
+
+    def _run_retries(self, tier: Tier) -> None:
+        """The tier took a write: copy down what it refused before, from memory, a batch at a time."""
+        with self._retry_lock:
+            q = self._retry.get(tier.name)
+            batch = [q.popitem(last=False) for _ in range(min(len(q), 256))] if q else []
+        by_domain: dict[str, list[bytes]] = {}
+        for k, d in batch:
+            by_domain.setdefault(d, []).append(k)
+        for domain, keys in by_domain.items():
+            with self.memory.borrow(keys, count=False) as lease:
+                pages = [(h, v) for h, v in zip(lease.headers, lease.views) if h is not None]
+                self.writes.dropped += len(keys) - len(pages)  # memory evicted them meanwhile
+                if not pages:
+                    continue
                 try:
-                    lower = tier.put(pages, domain)
+                    ok = tier.put(pages, domain)
                 except (LMKVError, OSError) as err:
                     _tier_failed(tier, "write", err)
-                    continue
-                stored = [a or b for a, b in zip(stored, lower)]
-        return stored
+                    self._queue_retry(tier.name, [h.key for h, _ in pages], domain)
+                    return
+                self.writes.retried += sum(ok)
 
     def _demote(self, evicted: list[tuple[PageHeader, np.ndarray, list[str]]]) -> None:
         """Memory evicted these pages: keep them in the next tier down (write-back)."""
@@ -272,10 +337,7 @@ class TieredStore:
         nxt = self.tiers[1]
         for header, view, owners in evicted:
             for domain in owners or [self.domain]:
-                try:
-                    nxt.put([(header, view)], domain)
-                except (LMKVError, OSError) as err:  # a failing lower tier must never fail the put that evicted
-                    _tier_failed(nxt, "write", err)
+                self.write_down(nxt, [(header, view)], domain, from_memory=False)
 
     def open_session(
         self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str | None = None
@@ -405,10 +467,7 @@ class StoreSession:
         with lease:
             pages = [(h, v) for h, v in zip(lease.headers, lease.views) if h is not None]
             for tier in self._store.tiers[1:]:
-                try:
-                    tier.put(pages, self._domain)
-                except (LMKVError, OSError) as err:  # a failing lower tier must not lose the memory copy
-                    _tier_failed(tier, "write", err)
+                self._store.write_down(tier, pages, self._domain)
 
     def abort(self) -> None:
         self._inner.abort()

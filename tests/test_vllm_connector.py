@@ -166,13 +166,20 @@ def test_two_engines_share_pages_through_redis(model, redis_node):
 
 
 def test_engine_starts_and_serves_while_the_server_is_down(model):
-    """No server at the configured address: the engine starts, serves correct tokens from
-    its own memory, and lmkv counts the unreachable tier instead of failing."""
-    from lmkv.redis_server import free_port
+    """No server at the configured address: the engine starts and serves correct tokens from
+    its own memory, lmkv counts the unreachable tier; once the server is up, lmkv reconnects by
+    itself and the pages it could not copy down before are retried from memory."""
+    import time
 
+    from lmkv.config import RemoteConfig
+    from lmkv.redis_server import free_port
+    from lmkv.server import spawn
+    from lmkv.tiers.server_client import ServerTier
+
+    port = free_port()
     p = prompt(300, seed=25)
     cfg = {"memory": {"capacity": "256MiB"},
-           "remote": {"url": f"lmkv://127.0.0.1:{free_port()}", "connect_timeout": 0.2}}
+           "remote": {"url": f"lmkv://127.0.0.1:{port}", "connect_timeout": 0.2}}
     with engine(model, lmkv=cfg) as e:
         expected = cold(e, [p])
         assert generate(e, [p]) == expected
@@ -180,7 +187,17 @@ def test_engine_starts_and_serves_while_the_server_is_down(model):
         before = loaded(e)
         assert generate(e, [p]) == expected
         assert loaded(e) - before == 9  # from lmkv memory
-        assert lmkv_stats(e)["tiers"]["server"]["errors"] >= 1
+        stats = lmkv_stats(e)
+        assert stats["tiers"]["server"]["errors"] >= 1 and stats["writes"]["failed"] >= 9
+        with spawn("--memory", "64MiB", port=port) as server:
+            probe = ServerTier(RemoteConfig(url=server.url, shm="never"))
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and lmkv_stats(e)["writes"]["retried"] < 9:
+                generate(e, [prompt(64, seed=int(time.monotonic() * 1000) % 10**6)], max_tokens=1)
+                time.sleep(0.5)
+            assert lmkv_stats(e)["writes"]["retried"] >= 9
+            assert probe.server_stats()["memory"]["pages"] >= 9
+            probe.close()
 
 
 def test_outputs_depend_on_the_restored_bytes(model):
@@ -216,26 +233,53 @@ def test_demo_runs(tmp_path):
     assert "pages loaded into the engine: 16 (warm), 16 (fresh engine)" in " ".join(out.stdout.split())
 
 
-@pytest.mark.parametrize("faults", [
-    {"corrupt_rate": 0.3, "missing_rate": 0.15, "short_read_rate": 0.1, "seed": 5},
-    {"outages": [[0, 3600]]},  # the disk tier is down the whole time
-])
-def test_failed_loads_are_recomputed_with_identical_tokens(model, tmp_path, faults):
-    disk = str(tmp_path / "disk")
+FAILURE_CLASSES = {
+    "missing": {"missing_rate": 0.3, "seed": 5},  # the lookup said hit, the page is gone
+    "corrupt": {"corrupt_rate": 0.3, "seed": 6},  # flipped bits: caught by the checksum
+    "short": {"short_read_rate": 0.3, "seed": 7},  # a torn or truncated read
+    "outage": {"outages": [[0, 3600]]},  # the tier is down the whole time
+}
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory) -> str:
+    from lmkv.tinymodels import make_gemma2
+
+    return str(make_gemma2(root=tmp_path_factory.mktemp("gemma2")))
+
+
+@pytest.fixture(scope="module", params=["one group (llama)", "two groups (gemma-2)"])
+def filled_disk(request, tmp_path_factory):
+    """A disk tier that a first engine filled, and the tokens that engine produced."""
+    model = request.getfixturevalue("model" if "llama" in request.param else "gemma2")
+    disk = str(tmp_path_factory.mktemp("disk"))
     prompts = [prompt(300, seed=40 + i) for i in range(4)]
     with engine(model, lmkv={"memory": {"capacity": "256MiB"}, "disk": {"path": disk}}) as first:
         expected = generate(first, prompts)
+    return model, disk, prompts, expected
+
+
+@pytest.mark.parametrize("failure", FAILURE_CLASSES)
+def test_failed_loads_are_recomputed_with_identical_tokens(filled_disk, failure):
+    """Every hit comes from a disk tier failing one way: outputs are those of the first engine,
+    the engine stays up, lmkv counts the failures. One cache group recovers per block
+    (layerwise), two groups per request (asynchronous loads)."""
+    model, disk, prompts, expected = filled_disk
+    faults = FAILURE_CLASSES[failure]
     cfg = {"memory": {"capacity": "256MiB"}, "disk": {"path": disk}, "faults": {"disk": faults}}
     with engine(model, lmkv=cfg) as second:  # memory is empty: every hit comes from the faulty disk
         outs = run(second, prompts)
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
-        t = lmkv_stats(second)["transfers"]
-        if "outages" in faults:
+        stats = lmkv_stats(second)
+        t = stats["transfers"]
+        if failure == "outage":
             assert t["loaded_pages"] == 0 and all(o.num_cached_tokens == 0 for o in outs)
+            assert stats["tiers"]["disk"]["errors"] > 0
         else:
-            # pages before a failed one were loaded, the rest recomputed: the tokens show it
-            # (scrambled KV changes them, see test_outputs_depend_on_the_restored_bytes)
-            assert t["failed_pages"] > 0 and t["loaded_pages"] > 0
+            # the tokens prove the failed pages were recomputed (scrambled KV changes them,
+            # see test_outputs_depend_on_the_restored_bytes)
+            assert t["failed_pages"] > 0 and t["loaded_pages"] > 0 and t["recomputed_tokens"] > 0
+        assert generate(second, prompts[:1]) == expected[:1]  # and it goes on serving
 
 
 def test_asynchronous_loads_on_the_engine(model, tmp_path):

@@ -65,15 +65,16 @@ def _tls_kwargs(cfg: RemoteConfig) -> dict:
     }
 
 
-def _no_retry(asyncio_client: bool):
-    """One attempt per command: lmkv's own health check decides when to try a backend again."""
+def _cluster_retry(asyncio_client: bool):
+    """A few immediate retries, for what a cluster answers while slots move (MOVED, TRYAGAIN,
+    CLUSTERDOWN); lmkv's own health check decides when to try an unreachable backend again."""
     from redis.backoff import NoBackoff
 
     if asyncio_client:
         from redis.asyncio.retry import Retry
     else:
         from redis.retry import Retry
-    return Retry(NoBackoff(), 0)
+    return Retry(NoBackoff(), 3)
 
 
 def make_client(cfg: RemoteConfig, asyncio_client: bool = True):
@@ -106,7 +107,7 @@ def make_client(cfg: RemoteConfig, asyncio_client: bool = True):
         mod = acluster if asyncio_client else scluster
         return mod.RedisCluster(startup_nodes=[mod.ClusterNode(h, p) for h, p in nodes], ssl=bool(tls),
                                 max_connections=cfg.max_connections, require_full_coverage=False,
-                                retry=_no_retry(asyncio_client), socket_read_size=1 << 20, **tls, **common)
+                                retry=_cluster_retry(asyncio_client), socket_read_size=1 << 20, **tls, **common)
     tls = _tls_kwargs(cfg) if parts.scheme == "rediss" else {}
     cls = aredis.Redis if asyncio_client else redis.Redis
     return cls.from_url(url, max_connections=cfg.max_connections, socket_read_size=1 << 20, **tls, **common)
