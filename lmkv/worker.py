@@ -30,7 +30,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: how long a step with nothing else to do waits for a background load to finish
 IDLE_WAIT_S = 0.005
+#: pages per fetch of a background load: the next chunk is read while this one is copied in
+LOAD_CHUNK_PAGES = 32
 
 
 @dataclass
@@ -128,6 +130,8 @@ class LayerwiseTransfer:
         self._failed_chains: list[bytes] = []
         self._failed_lock = threading.Lock()
         self._async: dict[str, Future] = {}  # request -> its background load (True if every page loaded)
+        # fetches of a background load's next chunk (a pool of its own: it never waits on the store's)
+        self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="lmkv-prefetch")
         self._plan = StepPlan()
         self._held: list = []
         self.layers_touched = False
@@ -190,26 +194,50 @@ class LayerwiseTransfer:
     def _load_in_background(self, ops: list[PageOp]) -> bool:
         """Fetch and copy every layer of a waiting request's pages; whether all of them loaded.
 
-        A request whose load fails is recomputed whole.
+        Pages are fetched in chunks, the next chunk's reads running while this chunk is copied
+        into the engine's blocks, so the request waits for roughly the reads alone. A request
+        whose load fails is recomputed whole.
         """
         ok = True
-        for op in ops:
-            layout = self.groups[op.group]
-            with self.store.fetch(self.keys(op), layout) as fetched:
-                good = [(b, as_bytes_array(v)) for b, v in zip(op.block_ids, fetched.views) if v is not None]
-                failed = [c for c, v in zip(op.chains, fetched.views) if v is None]
-                if failed:
-                    ok = False
-                    with self._failed_lock:
-                        self._failed_chains.extend(failed)
-                blocks, pages = [b for b, _ in good], [p for _, p in good]
-                for layer in range(layout.num_layers):
-                    self.layers[op.group][layer].scatter(blocks, pages, layout.layer_range(layer)[0])
-            self.stats.add(loaded_pages=len(good), failed_pages=len(failed),
-                           loaded_bytes=len(good) * layout.payload_bytes)
+        chunks = [(op, i) for op in ops for i in range(0, len(op.chains), LOAD_CHUNK_PAGES)]
+        keys = {id(op): self.keys(op) for op in ops}
+
+        def fetch(k: int) -> Future:
+            op, i = chunks[k]
+            return self._prefetch.submit(self.store.fetch, keys[id(op)][i : i + LOAD_CHUNK_PAGES], self.groups[op.group])
+
+        nxt = fetch(0) if chunks else None
+        try:
+            for k, (op, i) in enumerate(chunks):
+                assert nxt is not None
+                cur, nxt = nxt, fetch(k + 1) if k + 1 < len(chunks) else None
+                ok = self._copy_chunk(op, i, cur.result()) and ok
+        except BaseException:
+            if nxt is not None:  # its pages are pinned until released
+                try:
+                    nxt.result().release()
+                except Exception:
+                    pass
+            raise
         if not ok:
             self.stats.add(recomputed_tokens=max(len(op.chains) * self.groups[op.group].tokens_per_page for op in ops))
         return ok
+
+    def _copy_chunk(self, op: PageOp, i: int, fetched: Fetched) -> bool:
+        """Scatter one fetched chunk of a background load into its blocks; whether all of it loaded."""
+        layout = self.groups[op.group]
+        with fetched:
+            good = [(b, as_bytes_array(v))
+                    for b, v in zip(op.block_ids[i : i + LOAD_CHUNK_PAGES], fetched.views) if v is not None]
+            failed = [c for c, v in zip(op.chains[i : i + LOAD_CHUNK_PAGES], fetched.views) if v is None]
+            if failed:
+                with self._failed_lock:
+                    self._failed_chains.extend(failed)
+            blocks, pages = [b for b, _ in good], [p for _, p in good]
+            for layer in range(layout.num_layers):
+                self.layers[op.group][layer].scatter(blocks, pages, layout.layer_range(layer)[0])
+        self.stats.add(loaded_pages=len(good), failed_pages=len(failed), loaded_bytes=len(good) * layout.payload_bytes)
+        return not failed
 
     def transfer_results(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Requests whose background load finished, and the subset that failed (to recompute).

@@ -287,9 +287,9 @@ class DiskTier(LocalTier):
             return None
         try:
             if whole:
-                if direct and _aligned(dst, padded(plen)):
+                if not direct or _aligned(dst, padded(plen)):  # straight into the caller's buffer
                     hdr = self._bounce.get(hdr_bytes)
-                    got = os.preadv(fd, [hdr, dst[: padded(plen)]], 0)
+                    got = os.preadv(fd, [hdr, dst[: padded(plen) if direct else plen]], 0)
                     if got < hdr_bytes + plen:
                         raise ShortReadError(f"read {got} bytes of a {hdr_bytes + plen}-byte page")
                 else:
