@@ -14,6 +14,7 @@ BENCHES = {
     "faults": "requests served on vLLM's CPU engine while disk-tier loads fail, vs a fault-free run",
     "redis": "the Redis tier's put/get GB/s beside raw redis-py SET/GET on a real redis-server",
     "server": "lmkv serve put/get GB/s beside a raw loopback socket and memcpy, exists ops/s, a load test",
+    "offload": "eager vs eviction-aware lazy offload vs the offline oracle on vLLM's real KVCacheManager",
 }
 
 

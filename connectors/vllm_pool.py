@@ -1,0 +1,42 @@
+"""vLLM's ``BlockPool`` as the :class:`lmkv.offload.FreeQueue` the lazy offload policy reads.
+
+Hashes are vLLM's ``BlockHashWithGroupId`` bytes (block hash + 4-byte group id), so one
+pool shared by several cache groups is read as one queue. A protected block is
+``touch``-ed (its ref count holds it out of the free queue, the way a prefix hit
+does); released, it goes back to the *head* of the queue: its bytes are in lmkv
+now, so it is the cheapest block to reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+
+class VllmFreeQueue:
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def iter_free(self) -> Iterator[tuple[int, bytes | None]]:
+        for b in self.pool.free_block_queue.iter_blocks_after(None):
+            yield b.block_id, b.block_hash
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        b = self.pool.cached_block_hash_to_block.get_one_block(block_hash)
+        return None if b is None else b.block_id
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        return self.pool.blocks[block_id].block_hash
+
+    def protect(self, block_ids: Sequence[int]) -> None:
+        self.pool.touch([self.pool.blocks[i] for i in block_ids])
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        queue = self.pool.free_block_queue
+        back = []
+        for i in block_ids:
+            b = self.pool.blocks[i]
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                back.append(b)
+        if back:
+            queue.prepend_n(back)

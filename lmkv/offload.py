@@ -1,0 +1,177 @@
+"""Eviction-aware lazy offload (DESIGN.md mechanism 1): copy a cached block out only when the
+engine is about to reuse its memory.
+
+An engine keeps finished requests' blocks in an LRU free queue: the head is reused
+first. Writing every computed block to lmkv (eager write-through) spends copy
+bandwidth on blocks that are revived by a prefix hit or never evicted at all.
+The lazy policy looks only at the *danger zone* at the head of the queue:
+
+- **danger depth** = EMA of blocks allocated per step x ``horizon_steps`` + the next
+  step's known demand + ``watermark_blocks``: what the engine will take before
+  the copies planned now have finished;
+- **snapshot**: a planned block's hash is recorded when it is chosen, and the block
+  is **protected** (pulled out of the free queue) until its copy is done, so the
+  engine cannot hand it out and the copy can never store stale bytes;
+- **prefix closure**: a page is only useful if every page before it in its chain is
+  reachable too, so a block's cached ancestors that lmkv lacks are copied first, and
+  a block whose ancestor is gone from both the engine and lmkv is not copied at all;
+- **drain cap**: at most ``drain_bytes_per_step`` are planned per step;
+- **reuse weighting**: candidates in the danger zone are taken in order of expected
+  value — how many requests have used the block's prefix so far — so under a tight
+  cap the blocks most likely to be asked for again go first.
+
+Only the danger zone is walked each step (O(depth), not O(blocks)). The engine side
+is the :class:`FreeQueue` protocol; :mod:`lmkv.connectors.vllm_pool` implements it on
+vLLM's ``BlockPool``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class FreeQueue(Protocol):
+    """What the policy needs from an engine's block pool."""
+
+    def iter_free(self) -> Iterator[tuple[int, bytes | None]]:
+        """Free blocks in eviction order (next to be reused first): (block id, hash or None)."""
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block that holds ``block_hash`` in the engine's cache, if any."""
+
+    def block_hash(self, block_id: int) -> bytes | None: ...
+
+    def protect(self, block_ids: Sequence[int]) -> None:
+        """Keep these blocks from being reused until :meth:`release`."""
+
+    def release(self, block_ids: Sequence[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A block chosen for a copy, with its hash as it was when chosen (the snapshot)."""
+
+    block_id: int
+    block_hash: bytes
+
+
+@dataclass
+class LazyConfig:
+    horizon_steps: float = 4.0
+    ema_alpha: float = 0.2
+    watermark_blocks: int = 16
+    drain_bytes_per_step: int = 256 << 20
+    chain_memory: int = 1 << 20  # parent links kept (an LRU of recently seen blocks)
+
+
+@dataclass
+class LazyStats:
+    planned: int = 0
+    closure_added: int = 0
+    unreachable: int = 0
+    capped_steps: int = 0
+
+
+class LazyOffload:
+    """Plans, step by step, which cached blocks in the free queue to copy before they are reused."""
+
+    def __init__(self, cfg: LazyConfig, page_bytes: int, in_tier: Callable[[bytes], bool]) -> None:
+        self.cfg = cfg
+        self.page_bytes = page_bytes
+        self.in_tier = in_tier
+        self.alloc_ema = 0.0
+        self.inflight: dict[bytes, int] = {}  # hash -> protected block id
+        self._parent: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self._uses: dict[bytes, int] = {}
+        self.stats = LazyStats()
+
+    # -- what the engine tells the policy ---------------------------------------
+
+    def note_chain(self, hashes: Sequence[bytes], used: bool = True) -> None:
+        """A request's chain of block hashes, first page first: parent links, and (``used``) one more
+        use of each block's prefix."""
+        prev: bytes | None = None
+        cap = self.cfg.chain_memory
+        for h in hashes:
+            if h in self._parent:
+                self._parent.move_to_end(h)
+            else:
+                self._parent[h] = prev
+                if len(self._parent) > cap:
+                    old, _ = self._parent.popitem(last=False)
+                    self._uses.pop(old, None)
+            if used:
+                self._uses[h] = self._uses.get(h, 0) + 1
+            prev = h
+
+    def note_step(self, blocks_allocated: int) -> None:
+        a = self.cfg.ema_alpha
+        self.alloc_ema = (1 - a) * self.alloc_ema + a * blocks_allocated
+
+    def danger_depth(self, next_demand: int) -> int:
+        return math.ceil(self.alloc_ema * self.cfg.horizon_steps) + next_demand + self.cfg.watermark_blocks
+
+    # -- planning ----------------------------------------------------------------
+
+    def _closure(self, h: bytes, pool: FreeQueue, chosen: set[bytes]) -> list[tuple[int, bytes]] | None:
+        """``h`` and its cached ancestors lmkv lacks, oldest first; None if the chain is broken."""
+        out: list[tuple[int, bytes]] = []
+        cur: bytes | None = h
+        while cur is not None and not (self.in_tier(cur) or cur in self.inflight or cur in chosen):
+            bid = pool.cached_block(cur)
+            if bid is None:
+                return None  # an ancestor is neither in the engine nor in lmkv: unreachable
+            out.append((bid, cur))
+            if cur not in self._parent:
+                break  # the chain's start (or a link we no longer remember: treat it as the start)
+            cur = self._parent[cur]
+        out.reverse()
+        return out
+
+    def plan(self, pool: FreeQueue, next_demand: int = 0) -> list[Pick]:
+        """The copies to start this step (their blocks are protected until :meth:`done`)."""
+        depth = self.danger_depth(next_demand)
+        budget = max(1, self.cfg.drain_bytes_per_step // self.page_bytes)
+        zone: list[bytes] = []
+        for i, (_, h) in enumerate(pool.iter_free()):
+            if i >= depth:
+                break
+            if h is not None and not self.in_tier(h) and h not in self.inflight:
+                zone.append(h)
+        # most-used prefixes first; ties keep eviction order (sorted is stable)
+        zone.sort(key=lambda h: -self._uses.get(h, 1))
+        picks: list[Pick] = []
+        chosen: set[bytes] = set()
+        for h in zone:
+            if h in chosen:
+                continue
+            chain = self._closure(h, pool, chosen)
+            if chain is None:
+                self.stats.unreachable += 1
+                continue
+            room = budget - len(picks)
+            if len(chain) > room:  # the chain's oldest pages first: a prefix is useful on its own
+                chain = chain[:room]
+                self.stats.capped_steps += 1
+            self.stats.closure_added += max(0, len(chain) - 1)
+            for bid, ch in chain:
+                picks.append(Pick(bid, ch))
+                chosen.add(ch)
+            if len(picks) >= budget:
+                break
+        if picks:
+            pool.protect([p.block_id for p in picks])
+            for p in picks:
+                self.inflight[p.block_hash] = p.block_id
+            self.stats.planned += len(picks)
+        return picks
+
+    def done(self, picks: Sequence[Pick], pool: FreeQueue) -> None:
+        """The copies of ``picks`` finished (or failed): their blocks may be reused again."""
+        for p in picks:
+            self.inflight.pop(p.block_hash, None)
+        pool.release([p.block_id for p in picks])

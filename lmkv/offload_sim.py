@@ -1,0 +1,309 @@
+"""Trace-driven offload simulator on vLLM's real ``KVCacheManager`` / ``BlockPool`` (no model, no forward).
+
+A small scheduler loop admits a trace's requests (FCFS, a token budget per step,
+prompts prefilled in one step), decodes one token per running request per step,
+preempts the newest request when the pool is out of blocks, and frees finished
+requests, whose blocks then sit in vLLM's LRU free queue until reused. Prefix
+hits come from vLLM's own cache first, then from a simulated lmkv tier (the
+contiguous run of blocks lmkv holds after the engine's hit).
+
+Policies (the same trace, each in its own run):
+
+- ``none``: nothing is written; the run also records, for the **oracle**, every
+  block that was evicted and asked for again later (the only writes that can pay);
+- ``eager``: every block is queued for a copy when it is computed;
+- ``lazy``: :class:`lmkv.offload.LazyOffload` on the real free queue.
+
+A copy budget per step (``d2h_bytes_per_step``) models the host link: a queued
+block evicted before its copy is *lost*. Figures per run: bytes written, tier-hit
+tokens, blocks lost (evicted unwritten, then asked for), wasted writes (written,
+then served from the engine's own cache), stale writes (a copy whose block no
+longer held the planned hash: must be 0), peak pending bytes, policy time per step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from lmkv.offload import LazyConfig, LazyOffload, Pick
+from lmkv.traces import TraceRequest
+
+
+@dataclass
+class SimConfig:
+    num_blocks: int
+    block_size: int = 32
+    page_bytes: int = 256 << 10
+    step_tokens: int = 8192  # prefill tokens admitted per step
+    max_running: int = 64
+    d2h_bytes_per_step: int | None = None  # None: copies are never the bottleneck
+    lazy: LazyConfig = field(default_factory=LazyConfig)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    steps: int = 0
+    bytes_written: int = 0
+    writes: int = 0
+    hit_tokens: int = 0
+    computed_tokens: int = 0
+    blocks_lost: int = 0
+    wasted_writes: int = 0
+    stale_writes: int = 0
+    peak_pending_bytes: int = 0
+    preemptions: int = 0
+    policy_us: list[float] = field(default_factory=list, repr=False)
+    oracle_blocks: set = field(default_factory=set, repr=False)  # none: evicted, then asked for again
+
+    @property
+    def policy_us_median(self) -> float:
+        return statistics.median(self.policy_us) if self.policy_us else 0.0
+
+
+def make_manager(num_blocks: int, block_size: int, max_model_len: int = 1 << 17):
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    return KVCacheManager(cfg, max_model_len=max_model_len, scheduler_block_size=block_size,
+                          hash_block_size=block_size, enable_caching=True)
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int, block_size: int):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp.update_from_generation_config({}, 2)
+    return Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
+                   mm_features=None, block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+class _Run:
+    def __init__(self, trace: list[TraceRequest], cfg: SimConfig, policy: str) -> None:
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        from lmkv.connectors.vllm_pool import VllmFreeQueue
+
+        self.cfg = cfg
+        self.policy = policy
+        self.res = SimResult(policy)
+        self.mgr = make_manager(cfg.num_blocks, cfg.block_size)
+        self.pool = self.mgr.block_pool
+        self.queue = VllmFreeQueue(self.pool)
+        self.key = lambda h: make_block_hash_with_group_id(h, 0)  # noqa: E731
+        self.tier: set[bytes] = set()
+        self.written_live: set[bytes] = set()  # written and not evicted since: a HBM hit on one is a wasted write
+        self.evicted_unwritten: set[bytes] = set()
+        self.evicted: set[bytes] = set()
+        self.pending: deque[bytes] = deque()  # eager copies not yet done
+        self.lazy = LazyOffload(cfg.lazy, cfg.page_bytes, self.tier.__contains__) if policy == "lazy" else None
+        self.inflight: list[Pick] = []
+        self.by_id = {r.id: r for r in trace}
+        self.later: dict[str, list[TraceRequest]] = {}
+        self.arrivals: dict[int, list[TraceRequest]] = {}
+        for r in trace:
+            if r.after:
+                self.later.setdefault(r.after, []).append(r)
+            else:
+                self.arrivals.setdefault(r.arrival, []).append(r)
+        self.outputs: dict[str, list[int]] = {}
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.remaining = len(trace)
+        self.allocated = 0
+        orig = self.pool._maybe_evict_cached_block
+
+        def evict(block, _orig=orig):
+            h = block.block_hash
+            if h is not None:
+                self.evicted.add(h)
+                self.written_live.discard(h)
+                if h not in self.tier:
+                    self.evicted_unwritten.add(h)
+            return _orig(block)
+
+        self.pool._maybe_evict_cached_block = evict
+        orig_get = self.pool.get_new_blocks
+
+        def get_new(n, *a, _orig=orig_get, **kw):
+            self.allocated += n
+            return _orig(n, *a, **kw)
+
+        self.pool.get_new_blocks = get_new
+
+    # -- scheduling ----------------------------------------------------------
+
+    def arrive(self, step: int) -> None:
+        for r in self.arrivals.pop(step, []):
+            req = make_request(r.id, r.prompt, len(r.output), self.cfg.block_size)
+            self.outputs[r.id] = r.output
+            self.waiting.append(req)
+
+    def admit(self, step: int) -> list:
+        bs = self.cfg.block_size
+        budget = self.cfg.step_tokens
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.cfg.max_running:
+            req = self.waiting[0]
+            blocks, hbm_tokens, *_ = self.mgr.get_computed_blocks(req)
+            n = req.num_tokens
+            if n - hbm_tokens > budget and admitted:
+                break
+            hashes = [self.key(h) for h in req.block_hashes[: (n - 1) // bs]]
+            for h in hashes[: hbm_tokens // bs]:
+                if h in self.written_live:
+                    self.res.wasted_writes += 1
+                    self.written_live.discard(h)
+            rest = hashes[hbm_tokens // bs:]
+            tier_blocks = 0
+            while tier_blocks < len(rest) and rest[tier_blocks] in self.tier:
+                tier_blocks += 1
+            self.res.oracle_blocks.update(h for h in rest if h in self.evicted)
+            self.res.blocks_lost += sum(1 for h in rest[tier_blocks:] if h in self.evicted_unwritten)
+            new_blocks = self.mgr.allocate_slots(req, n - hbm_tokens, hbm_tokens, blocks)
+            if new_blocks is None:
+                if not self.running and not admitted:  # can never fit: drop it
+                    self.waiting.popleft()
+                    self.finish_trace(req, step)
+                break
+            self.waiting.popleft()
+            budget -= n - hbm_tokens
+            hit = tier_blocks * bs
+            self.res.hit_tokens += hit
+            self.res.computed_tokens += n - hbm_tokens - hit
+            req.num_computed_tokens = n
+            if self.lazy is not None:
+                self.lazy.note_chain(hashes)
+            if self.policy == "eager":
+                first = hbm_tokens // bs + tier_blocks
+                self.pending.extend(h for h in (self.key(x) for x in req.block_hashes[first : n // bs])
+                                    if h not in self.tier)
+            self.sample(req, step)
+            admitted.append(req)
+        return admitted
+
+    def sample(self, req, step: int) -> None:
+        out = self.outputs[req.request_id]
+        k = len(req.output_token_ids)
+        if k >= len(out):
+            if self.lazy is not None:  # link the blocks decoding filled to their chain
+                self.lazy.note_chain([self.key(h) for h in req.block_hashes], used=False)
+            self.mgr.free(req)
+            self.finish_trace(req, step)
+            return
+        req.append_output_token_ids(out[k])
+        if req not in self.running:
+            self.running.append(req)
+
+    def finish_trace(self, req, step: int) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.remaining -= 1
+        for nxt in self.later.pop(req.request_id, []):
+            self.arrivals.setdefault(step + 1 + nxt.gap, []).append(nxt)
+
+    def decode(self, step: int, fresh: list) -> None:
+        bs = self.cfg.block_size
+        for req in [r for r in self.running if r not in fresh]:
+            if req not in self.running:
+                continue
+            while self.mgr.allocate_slots(req, 1) is None:
+                victim = self.running[-1]  # preempt the newest
+                self.mgr.free(victim)
+                self.running.remove(victim)
+                victim.num_computed_tokens = 0
+                self.waiting.appendleft(victim)
+                self.res.preemptions += 1
+                if victim is req:
+                    break
+            if req not in self.running:
+                continue
+            req.num_computed_tokens += 1
+            self.res.computed_tokens += 1
+            if req.num_computed_tokens % bs == 0 and self.policy == "eager":
+                h = self.key(req.block_hashes[req.num_computed_tokens // bs - 1])
+                if h not in self.tier:
+                    self.pending.append(h)
+            self.sample(req, step)
+
+    # -- copies ----------------------------------------------------------------
+
+    def write(self, h: bytes) -> None:
+        self.tier.add(h)
+        self.written_live.add(h)
+        self.evicted_unwritten.discard(h)
+        self.res.writes += 1
+        self.res.bytes_written += self.cfg.page_bytes
+
+    def copies(self) -> None:
+        cap = None if self.cfg.d2h_bytes_per_step is None else max(1, self.cfg.d2h_bytes_per_step // self.cfg.page_bytes)
+        if self.policy == "eager":
+            done = 0
+            while self.pending and (cap is None or done < cap):
+                h = self.pending.popleft()
+                if h in self.tier:
+                    continue
+                if self.pool.cached_block_hash_to_block.get_one_block(h) is None:
+                    continue  # evicted before its copy: counted as lost when asked for
+                self.write(h)
+                done += 1
+            self.res.peak_pending_bytes = max(self.res.peak_pending_bytes, len(self.pending) * self.cfg.page_bytes)
+        elif self.lazy is not None:
+            # the copies planned last step finished: check their snapshot, release their blocks
+            for p in self.inflight:
+                if self.queue.block_hash(p.block_id) != p.block_hash:
+                    self.res.stale_writes += 1
+                else:
+                    self.write(p.block_hash)
+            self.lazy.done(self.inflight, self.queue)
+            self.lazy.note_step(self.allocated)
+            self.allocated = 0
+            if cap is not None:
+                self.lazy.cfg.drain_bytes_per_step = cap * self.cfg.page_bytes
+            demand, tokens = 0, 0  # blocks the requests admitted next step will take
+            for r in self.waiting:
+                tokens += r.num_tokens
+                if tokens > self.cfg.step_tokens and demand:
+                    break
+                demand += -(-r.num_tokens // self.cfg.block_size)
+            t0 = time.perf_counter()
+            self.inflight = self.lazy.plan(self.queue, demand)
+            self.res.policy_us.append((time.perf_counter() - t0) * 1e6)
+            self.res.peak_pending_bytes = max(self.res.peak_pending_bytes, len(self.inflight) * self.cfg.page_bytes)
+
+    def run(self, max_steps: int = 1_000_000) -> SimResult:
+        step = 0
+        while self.remaining and step < max_steps:
+            self.arrive(step)
+            fresh = self.admit(step)
+            self.decode(step, fresh)
+            self.copies()
+            step += 1
+        self.res.steps = step
+        return self.res
+
+
+def simulate(trace: list[TraceRequest], cfg: SimConfig, policy: str) -> SimResult:
+    """Replay ``trace`` under ``policy`` (``none``, ``eager`` or ``lazy``)."""
+    if policy not in ("none", "eager", "lazy"):
+        raise ValueError(f"unknown policy {policy!r}")
+    return _Run(trace, cfg, policy).run()
+
+
+def distinct_blocks(trace: list[TraceRequest], block_size: int) -> int:
+    """Full blocks of distinct content in a trace (prefixes shared by requests count once)."""
+    seen: set[bytes] = set()
+    for r in trace:
+        req = make_request(r.id, r.prompt + r.output, 1, block_size)
+        seen.update(req.block_hashes)
+    return len(seen)
