@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from lmkv.config import load_config
 from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
+from lmkv.connectors.vllm_pool import VllmFreeQueue
 from lmkv.plan import StepPlan
 from lmkv.residency import ResidencyDelta, ResidencyLog, ResidencyMirror
 from lmkv.runtime import acquire_store, find_store, live_stores, release_store
@@ -161,7 +162,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             mode = "async" if len(self.groups) > 1 else self.cfg.load_mode
             self.scheduler = OffloadScheduler(
                 store or self.mirror, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace,
-                load_mode=mode, quarantine_seconds=self.cfg.quarantine_seconds,
+                load_mode=mode, quarantine_seconds=self.cfg.quarantine_seconds, offload=self.cfg.offload,
             )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # vLLM reads the policy right after building this connector: a failed lmkv load
@@ -188,6 +189,21 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         n = self.scheduler.lookup(st, request.all_token_ids, num_computed_tokens)
         return n, st.async_load and n > 0
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        """vLLM hands over its cache manager: lazy offload reads the block pool's free queue."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is None or self.scheduler.lazy is None:
+            return
+        if not getattr(kv_cache_manager, "enable_caching", True):
+            log.warning("lmkv: offload.policy=lazy needs vLLM's prefix caching (cached blocks in its free "
+                        "queue); storing eagerly instead")
+            return
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        gids = self.group_ids
+        self.scheduler.bind_free_queue(VllmFreeQueue(kv_cache_manager.block_pool),
+                                       lambda g, h: make_block_hash_with_group_id(h, gids[g]))
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         all_ids = blocks.get_block_ids()
@@ -200,12 +216,14 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         for new in scheduler_output.scheduled_new_reqs:
             req = self._requests.get(new.req_id)
             if req is not None:
-                scheduled.append(Scheduled(new.req_id, new.num_computed_tokens + num_sched[new.req_id], req.all_token_ids))
+                scheduled.append(Scheduled(new.req_id, new.num_computed_tokens + num_sched[new.req_id],
+                                           req.all_token_ids, req.block_hashes))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             req = self._requests.get(rid)
             if req is not None:
-                scheduled.append(Scheduled(rid, cached.num_computed_tokens[i] + num_sched[rid], req.all_token_ids))
+                scheduled.append(Scheduled(rid, cached.num_computed_tokens[i] + num_sched[rid], req.all_token_ids,
+                                           req.block_hashes))
         manager = self._kv_cache_manager
 
         def block_ids_of(rid: str) -> list[list[int]]:

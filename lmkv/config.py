@@ -91,6 +91,22 @@ class StoreConfig(_Section):
     io_threads: int = Field(4, ge=1, le=64, description="background I/O threads")
 
 
+class OffloadConfig(_Section):
+    """When computed pages are copied out of the engine (DESIGN.md mechanism 1)."""
+
+    policy: Literal["eager", "lazy"] = Field(
+        "eager",
+        description="eager: every page is copied out in the step that computes it (write-through); "
+        "lazy: a cached page is copied only when the engine's free queue is about to reuse its "
+        "block (needs the engine's prefix caching; fewer copies, see lmkv bench offload)",
+    )
+    horizon_steps: float = Field(4.0, gt=0, description="lazy: steps of allocations the danger zone covers")
+    ema_alpha: float = Field(0.2, gt=0, le=1, description="lazy: weight of the last step in the allocation rate")
+    watermark_blocks: int = Field(16, ge=0, description="lazy: blocks always in the danger zone")
+    drain_bytes_per_step: ByteSize = Field(ByteSize(256 << 20), description="lazy: most bytes planned per step")
+    chain_memory: int = Field(1 << 20, ge=1024, description="lazy: block links remembered for prefix closure")
+
+
 class RemoteConfig(_Section):
     """A network tier below memory and disk: the lmkv server or Redis.
 
@@ -150,6 +166,7 @@ class LMKVConfig(_Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     disk: DiskConfig = Field(default_factory=DiskConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     faults: dict[str, FaultSpec] = Field(

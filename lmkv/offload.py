@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from lmkv.config import OffloadConfig
+
 
 class FreeQueue(Protocol):
     """What the policy needs from an engine's block pool."""
@@ -60,15 +62,6 @@ class Pick:
 
 
 @dataclass
-class LazyConfig:
-    horizon_steps: float = 4.0
-    ema_alpha: float = 0.2
-    watermark_blocks: int = 16
-    drain_bytes_per_step: int = 256 << 20
-    chain_memory: int = 1 << 20  # parent links kept (an LRU of recently seen blocks)
-
-
-@dataclass
 class LazyStats:
     planned: int = 0
     closure_added: int = 0
@@ -79,8 +72,9 @@ class LazyStats:
 class LazyOffload:
     """Plans, step by step, which cached blocks in the free queue to copy before they are reused."""
 
-    def __init__(self, cfg: LazyConfig, page_bytes: int, in_tier: Callable[[bytes], bool]) -> None:
+    def __init__(self, cfg: OffloadConfig, page_bytes: int, in_tier: Callable[[bytes], bool]) -> None:
         self.cfg = cfg
+        self.drain_bytes = int(cfg.drain_bytes_per_step)
         self.page_bytes = page_bytes
         self.in_tier = in_tier
         self.alloc_ema = 0.0
@@ -135,7 +129,7 @@ class LazyOffload:
     def plan(self, pool: FreeQueue, next_demand: int = 0) -> list[Pick]:
         """The copies to start this step (their blocks are protected until :meth:`done`)."""
         depth = self.danger_depth(next_demand)
-        budget = max(1, self.cfg.drain_bytes_per_step // self.page_bytes)
+        budget = max(1, self.drain_bytes // self.page_bytes)
         zone: list[bytes] = []
         for i, (_, h) in enumerate(pool.iter_free()):
             if i >= depth:

@@ -28,7 +28,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from lmkv.offload import LazyConfig, LazyOffload, Pick
+from lmkv.config import OffloadConfig
+from lmkv.offload import LazyOffload, Pick
 from lmkv.traces import TraceRequest
 
 
@@ -40,7 +41,7 @@ class SimConfig:
     step_tokens: int = 8192  # prefill tokens admitted per step
     max_running: int = 64
     d2h_bytes_per_step: int | None = None  # None: copies are never the bottleneck
-    lazy: LazyConfig = field(default_factory=LazyConfig)
+    lazy: OffloadConfig = field(default_factory=lambda: OffloadConfig(policy="lazy"))
 
 
 @dataclass
@@ -269,7 +270,7 @@ class _Run:
             self.lazy.note_step(self.allocated)
             self.allocated = 0
             if cap is not None:
-                self.lazy.cfg.drain_bytes_per_step = cap * self.cfg.page_bytes
+                self.lazy.drain_bytes = cap * self.cfg.page_bytes
             demand, tokens = 0, 0  # blocks the requests admitted next step will take
             for r in self.waiting:
                 tokens += r.num_tokens

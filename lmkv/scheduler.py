@@ -5,7 +5,7 @@ of a request lmkv can supply, tells which engine blocks were allocated for
 them, and once per step turns the scheduled requests into a :class:`StepPlan`
 for the workers. Everything is about keys and block ids; no bytes move here.
 
-Stores are *eager* here: every page a step completes is planned for storing in
+Stores are *eager* by default: every page a step completes is planned for storing in
 that step, unless some tier already holds it, and the workers copy it out of
 the engine blocks before that step ends (``wait_for_save``). Two-phase
 finalization keeps three events apart: compute finished
@@ -15,16 +15,24 @@ page (the page its final token filled) and so precedes ``finish``; all
 transfers complete, which the step's end guarantees for the copies out of
 engine blocks (tier write-back continues from lmkv's own buffers). So a
 finished request's blocks need no holding.
+
+With ``offload.policy: lazy`` (and the engine's free queue bound), pages are not
+stored when computed: :class:`lmkv.offload.LazyOffload` plans copies of cached
+blocks as they reach the head of the engine's free queue, and the workers copy
+them like any other store. A finished request's blocks simply join that queue.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lmkv.keys import KeySpace
+from lmkv.config import OffloadConfig
+from lmkv.keys import KeySpace, page_key
+from lmkv.offload import FreeQueue, LazyOffload, Pick
 from lmkv.layout import GroupLayout
 from lmkv.plan import PageOp, StepPlan
 from lmkv.sequence import SequenceKeys, Span
@@ -32,6 +40,11 @@ from lmkv.store import Lookup
 
 #: engine block id that marks "no block" (vLLM's null block; skipped windows)
 NULL_BLOCK = 0
+
+
+def _pages(tokens: int, tpp: int) -> int:
+    """Blocks that ``tokens`` tokens occupy (the last one may be partly filled)."""
+    return -(-tokens // tpp)
 
 
 @dataclass
@@ -43,6 +56,8 @@ class RequestState:
     pending_loads: list[PageOp] = field(default_factory=list)
     async_load: bool = False  # the last lookup's load waits instead of running layerwise
     pins: list = field(default_factory=list)  # memory pages held for a planned layerwise load
+    computed: int = 0  # tokens with state at the last step (to count the blocks each step takes)
+    noted: bool = False  # lazy offload: this request's use of its prefix has been counted
 
 
 @dataclass
@@ -60,6 +75,7 @@ class Scheduled:
     req_id: str
     computed_after_step: int  # tokens whose state exists once this step ran
     tokens: Sequence[int]  # all token ids known so far
+    block_hashes: Sequence[bytes] = ()  # the engine's hash of each full block (for lazy offload)
 
 
 class Residency(Protocol):
@@ -81,6 +97,7 @@ class OffloadScheduler:
         namespace: str,
         load_mode: str = "auto",
         quarantine_seconds: float = 30.0,
+        offload: OffloadConfig | None = None,
     ) -> None:
         """``load_mode``: "layerwise", "async", or "auto" — layerwise when every page of the hit is
         in memory, asynchronous when some must come from a lower tier (a failed layerwise load
@@ -97,6 +114,26 @@ class OffloadScheduler:
         self.namespace = namespace
         self.requests: dict[str, RequestState] = {}
         self.stats = SchedulerStats()
+        # lazy offload: active once the engine's free queue is bound (eager stores until then)
+        self.lazy: LazyOffload | None = None
+        if offload is not None and offload.policy == "lazy":
+            page_bytes = max((lay.payload_bytes for lay in self.groups), default=1)
+            self.lazy = LazyOffload(offload, page_bytes, self._engine_resident)
+            self._chain_memory = offload.chain_memory
+        self._pool: FreeQueue | None = None
+        self._engine_key: Callable[[int, bytes], bytes] | None = None
+        self._engine_pages: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()  # engine hash -> (group, chain)
+        self._inflight: list[Pick] = []
+
+    def bind_free_queue(self, pool: FreeQueue, engine_key: Callable[[int, bytes], bytes]) -> None:
+        """The engine's block pool, for lazy offload; ``engine_key(group, block hash)`` is how the
+        pool names a group's cached block."""
+        self._pool = pool
+        self._engine_key = engine_key
+
+    @property
+    def lazy_active(self) -> bool:
+        return self.lazy is not None and self._pool is not None
 
     # -- requests ------------------------------------------------------------
 
@@ -181,6 +218,7 @@ class OffloadScheduler:
                 plan.async_loads.extend(st.pending_loads)
                 st.pending_loads = []
         planned: set[bytes] = set()  # two requests completing the same page in one step store it once
+        allocated = 0  # blocks the engine handed out this step
         for s in scheduled:
             st = self.requests.get(s.req_id)
             if st is None:
@@ -190,15 +228,63 @@ class OffloadScheduler:
             self._released_next.extend(st.pins)
             st.pins = []
             full = min(s.computed_after_step, len(s.tokens)) // self.tpp
+            allocated += _pages(s.computed_after_step, self.tpp) - _pages(st.computed, self.tpp)
+            st.computed = s.computed_after_step
             if full > st.stored_upto:
                 st.seq.extend(s.tokens[: full * self.tpp])
-                blocks = block_ids_of(s.req_id)
-                for g, layout in enumerate(self.groups):
-                    op = self._store_op(st, g, layout, st.stored_upto, full, blocks[g], planned)
-                    if op is not None:
-                        plan.stores.append(op)
+                if self.lazy_active:
+                    self._remember(st, s.block_hashes, full)
+                else:
+                    blocks = block_ids_of(s.req_id)
+                    for g, layout in enumerate(self.groups):
+                        op = self._store_op(st, g, layout, st.stored_upto, full, blocks[g], planned)
+                        if op is not None:
+                            plan.stores.append(op)
                 st.stored_upto = full
+        if self.lazy_active:
+            plan.stores.extend(self._lazy_stores(max(0, allocated)))
         return plan
+
+    # -- lazy offload ----------------------------------------------------------
+
+    def _remember(self, st: RequestState, block_hashes: Sequence[bytes], full: int) -> None:
+        """Name the engine's blocks of a request's pages (so a planned block maps to a page key)
+        and tell the policy the chain; a request's first report counts as a use of its prefix."""
+        assert self.lazy is not None and self._engine_key is not None
+        n = min(full, len(block_hashes))
+        for g in range(len(self.groups)):
+            eks = [self._engine_key(g, h) for h in block_hashes[:n]]
+            for p in range(st.stored_upto, n):
+                self._engine_pages[eks[p]] = (g, st.seq.chains[p])
+                self._engine_pages.move_to_end(eks[p])
+            self.lazy.note_chain(eks, used=not st.noted)
+        st.noted = True
+        while len(self._engine_pages) > self._chain_memory:
+            self._engine_pages.popitem(last=False)
+
+    def _engine_resident(self, engine_hash: bytes) -> bool:
+        """Whether lmkv holds the page in an engine block (a block lmkv cannot name counts as held:
+        it is never planned)."""
+        gc = self._engine_pages.get(engine_hash)
+        if gc is None:
+            return True
+        g, chain = gc
+        return self.store.contains([page_key(chain, self.groups[g])])[0]
+
+    def _lazy_stores(self, allocated: int) -> list[PageOp]:
+        """Release last step's copies (the workers ran them), then plan this step's."""
+        assert self.lazy is not None and self._pool is not None
+        self.lazy.done(self._inflight, self._pool)
+        self.lazy.note_step(allocated)
+        self._inflight = self.lazy.plan(self._pool)
+        by_group: dict[int, tuple[list[bytes], list[int]]] = {}
+        for p in self._inflight:
+            g, chain = self._engine_pages[p.block_hash]
+            chains, blocks = by_group.setdefault(g, ([], []))
+            chains.append(chain)
+            blocks.append(p.block_id)
+        self.stats.stored_pages += len(self._inflight)
+        return [PageOp("", g, chains, blocks, []) for g, (chains, blocks) in sorted(by_group.items())]
 
     def _store_op(
         self, st: RequestState, g: int, layout: GroupLayout, start: int, end: int,

@@ -6,7 +6,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lmkv.offload import LazyConfig, LazyOffload  # noqa: E402
+from lmkv.config import OffloadConfig  # noqa: E402
+from lmkv.offload import LazyOffload  # noqa: E402
 from lmkv.offload_sim import SimConfig, distinct_blocks, make_manager, make_request, simulate  # noqa: E402
 from lmkv.traces import generate, load, save  # noqa: E402
 
@@ -34,7 +35,8 @@ def engine():
 
 
 def _policy(tier: set, **kw) -> LazyOffload:
-    return LazyOffload(LazyConfig(**{"watermark_blocks": 0, "horizon_steps": 1.0, "ema_alpha": 1.0, **kw}),
+    return LazyOffload(OffloadConfig(**{"policy": "lazy", "watermark_blocks": 0, "horizon_steps": 1.0,
+                                        "ema_alpha": 1.0, **kw}),
                        1 << 20, tier.__contains__)
 
 

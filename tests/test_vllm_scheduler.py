@@ -350,3 +350,48 @@ def test_a_model_lmkv_cannot_restore_whole_is_served_nothing(model_config):
         assert conn.groups == [] and conn.get_num_new_matched_tokens(req, 0) == (0, False)
     finally:
         conn.shutdown()
+
+
+def test_lazy_offload_copies_blocks_as_the_engine_is_about_to_reuse_them(model_config):
+    """A 24-block engine runs requests needing ~3x that: with lazy offload, nothing is stored
+    while the pool has room; blocks are copied as they reach the free queue's head; a request
+    whose blocks the engine reused is served back from lmkv, byte for byte; no stale copy."""
+    cfg = {"memory": {"capacity": "64MiB"}, "offload": {"policy": "lazy", "watermark_blocks": 2}}
+    h = Harness(model_config, cfg, num_blocks=24)
+    try:
+        assert h.sched.connector.scheduler.lazy_active
+        first = h.request("first", tokens(70, 1), max_tokens=2)
+        h.run(first)
+        totals = h.worker.worker.stats.totals
+        assert totals.stored_pages == 0  # plenty of room: nothing copied yet
+        for i in range(5):  # push "first" out of the engine's cache
+            h.run(h.request(f"fill{i}", tokens(90, 10 + i), max_tokens=2))
+        assert totals.stored_pages > 0
+        pool = h.sched.kv_cache_manager.block_pool
+        assert h.sched.kv_cache_manager.get_computed_blocks(h.request("probe", tokens(70, 1)))[1] == 0
+        again = h.request("again", tokens(70, 1), max_tokens=2)
+        before = totals.loaded_pages
+        h.run(again)
+        assert totals.loaded_pages - before == 4  # (70 - 1) // 16 full pages, from lmkv
+        h.check_kv(again, 64)
+        assert pool.get_num_free_blocks() == 23  # every protected block was released
+    finally:
+        h.close()
+
+
+def test_lazy_offload_stores_nothing_the_engine_keeps(model_config):
+    """Three prompts asked twice fit the engine's cache: eager copies every page, lazy none
+    (every one of eager's copies was wasted: the engine served the repeats itself)."""
+    def stored(policy: str) -> tuple[int, int]:
+        h = Harness(model_config, {"memory": {"capacity": "64MiB"}, "offload": {"policy": policy}}, num_blocks=64)
+        try:
+            reqs = [h.request(f"r{i}", tokens(60, i % 3), max_tokens=2) for i in range(6)]  # 3 prompts, twice each
+            for r in reqs:
+                h.run(r)
+            t = h.worker.worker.stats.totals
+            return t.stored_pages, h.sched.connector.scheduler.stats.stored_pages
+        finally:
+            h.close()
+
+    eager, lazy = stored("eager"), stored("lazy")
+    assert eager[0] == 9 and lazy == (0, 0)
