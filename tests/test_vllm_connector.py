@@ -200,6 +200,23 @@ def test_engine_starts_and_serves_while_the_server_is_down(model):
             probe.close()
 
 
+def test_lazy_offload_serves_back_what_the_engine_evicted(model):
+    """A 40-block KV budget, lazy offload: blocks are copied as the engine is about to reuse
+    them, and a prompt whose blocks the engine reused is served from lmkv with the same tokens."""
+    cfg = {"memory": {"capacity": "256MiB"}, "offload": {"policy": "lazy"}}
+    a = prompt(300, seed=70)
+    with engine(model, lmkv=cfg, kv_bytes=40 * BLOCK * 2048, max_len=512) as e:
+        expected = cold(e, [a])
+        assert generate(e, [a]) == expected
+        for i in range(4):  # 4 x 10 blocks: the engine reuses a's blocks
+            generate(e, [prompt(300, seed=80 + i)])
+        stats = lmkv_stats(e)["transfers"]
+        assert 0 < stats["stored_pages"]
+        before = loaded(e)
+        assert generate(e, [a]) == expected
+        assert loaded(e) - before == 9
+
+
 def test_outputs_depend_on_the_restored_bytes(model):
     """The checks above can fail: scrambled KV pages (checksums off in memory) change the tokens."""
     with engine(model, lmkv={"memory": {"capacity": "256MiB", "verify_checksums": False}}) as e:
