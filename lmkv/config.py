@@ -105,6 +105,11 @@ class OffloadConfig(_Section):
     watermark_blocks: int = Field(16, ge=0, description="lazy: blocks always in the danger zone")
     drain_bytes_per_step: ByteSize = Field(ByteSize(256 << 20), description="lazy: most bytes planned per step")
     chain_memory: int = Field(1 << 20, ge=1024, description="lazy: block links remembered for prefix closure")
+    min_family_requests: int = Field(
+        8, ge=1, description="lazy: requests of a family (same first page) seen before judging its reuse")
+    min_reuse_rate: float = Field(
+        0.1, ge=0, le=1, description="lazy: a family whose requests are mostly served from cache less often "
+        "than this is not copied (one-shot prompts)")
 
 
 class RemoteConfig(_Section):

@@ -15,10 +15,16 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
 - **prefix closure**: a page is only useful if every page before it in its chain is
   reachable too, so a block's cached ancestors that lmkv lacks are copied first, and
   a block whose ancestor is gone from both the engine and lmkv is not copied at all;
-- **drain cap**: at most ``drain_bytes_per_step`` are planned per step;
+- **drain cap**: at most ``drain_bytes_per_step`` are planned per step; while the cap
+  binds, the zone grows (up to ``1 + LOOKAHEAD_GAIN`` times), so copies start earlier
+  and use the link's idle steps instead of losing blocks at the head;
 - **reuse weighting**: candidates in the danger zone are taken in order of expected
   value — how many requests have used the block's prefix so far — so under a tight
-  cap the blocks most likely to be asked for again go first.
+  cap the blocks most likely to be asked for again go first;
+- **families**: requests that start with the same page (one application's system
+  prompt) behave alike. A family whose requests, after ``min_family_requests`` of
+  them, almost never find most of their prompt cached (a stream of one-shot
+  prompts) has its blocks skipped: copying them would be wasted.
 
 Only the danger zone is walked each step (O(depth), not O(blocks)). The engine side
 is the :class:`FreeQueue` protocol; :mod:`lmkv.connectors.vllm_pool` implements it on
@@ -53,6 +59,10 @@ class FreeQueue(Protocol):
     def release(self, block_ids: Sequence[int]) -> None: ...
 
 
+#: how much further ahead the policy looks when its drain cap is always binding
+LOOKAHEAD_GAIN = 32.0
+
+
 @dataclass(frozen=True)
 class Pick:
     """A block chosen for a copy, with its hash as it was when chosen (the snapshot)."""
@@ -78,9 +88,12 @@ class LazyOffload:
         self.page_bytes = page_bytes
         self.in_tier = in_tier
         self.alloc_ema = 0.0
+        self._binding = 0.0  # how often the drain cap has been binding lately (EMA of 0/1)
         self.inflight: dict[bytes, int] = {}  # hash -> protected block id
         self._parent: OrderedDict[bytes, bytes | None] = OrderedDict()
         self._uses: dict[bytes, int] = {}
+        self._root: dict[bytes, bytes] = {}  # block -> the first page of its chain (its family)
+        self._families: dict[bytes, list[int]] = {}  # first page -> [requests, requests mostly served from cache]
         self.stats = LazyStats()
 
     # -- what the engine tells the policy ---------------------------------------
@@ -90,17 +103,32 @@ class LazyOffload:
         use of each block's prefix."""
         prev: bytes | None = None
         cap = self.cfg.chain_memory
+        root = hashes[0] if hashes else None
         for h in hashes:
             if h in self._parent:
                 self._parent.move_to_end(h)
             else:
                 self._parent[h] = prev
+                self._root[h] = root  # type: ignore[assignment]
                 if len(self._parent) > cap:
                     old, _ = self._parent.popitem(last=False)
                     self._uses.pop(old, None)
+                    self._root.pop(old, None)
             if used:
                 self._uses[h] = self._uses.get(h, 0) + 1
             prev = h
+
+    def note_request(self, first_page: bytes, cached_fraction: float) -> None:
+        """A request of the family ``first_page`` was admitted with this fraction of its pages cached."""
+        fam = self._families.setdefault(first_page, [0, 0])
+        fam[0] += 1
+        fam[1] += cached_fraction >= 0.5
+
+    def _one_shot(self, h: bytes) -> bool:
+        """Whether ``h`` belongs to a family whose requests are almost never served from cache."""
+        fam = self._families.get(self._root.get(h, b""))
+        return (fam is not None and fam[0] >= self.cfg.min_family_requests
+                and fam[1] < self.cfg.min_reuse_rate * fam[0])
 
     def note_step(self, blocks_allocated: int) -> None:
         a = self.cfg.ema_alpha
@@ -128,13 +156,14 @@ class LazyOffload:
 
     def plan(self, pool: FreeQueue, next_demand: int = 0) -> list[Pick]:
         """The copies to start this step (their blocks are protected until :meth:`done`)."""
-        depth = self.danger_depth(next_demand)
         budget = max(1, self.drain_bytes // self.page_bytes)
+        # When the cap has been binding, look further ahead: copies must start earlier to finish in time.
+        depth = int(self.danger_depth(next_demand) * (1 + LOOKAHEAD_GAIN * self._binding))
         zone: list[bytes] = []
         for i, (_, h) in enumerate(pool.iter_free()):
             if i >= depth:
                 break
-            if h is not None and not self.in_tier(h) and h not in self.inflight:
+            if h is not None and not self.in_tier(h) and h not in self.inflight and not self._one_shot(h):
                 zone.append(h)
         # most-used prefixes first; ties keep eviction order (sorted is stable)
         zone.sort(key=lambda h: -self._uses.get(h, 1))
@@ -157,6 +186,7 @@ class LazyOffload:
                 chosen.add(ch)
             if len(picks) >= budget:
                 break
+        self._binding = 0.9 * self._binding + 0.1 * (len(picks) >= budget)
         if picks:
             pool.protect([p.block_id for p in picks])
             for p in picks:

@@ -183,8 +183,9 @@ class _Run:
             self.res.hit_tokens += hit
             self.res.computed_tokens += n - hbm_tokens - hit
             req.num_computed_tokens = n
-            if self.lazy is not None:
+            if self.lazy is not None and hashes:
                 self.lazy.note_chain(hashes)
+                self.lazy.note_request(hashes[0], (hbm_tokens // bs + tier_blocks) / len(hashes))
             if self.policy == "eager":
                 first = hbm_tokens // bs + tier_blocks
                 self.pending.extend(h for h in (self.key(x) for x in req.block_hashes[first : n // bs])
