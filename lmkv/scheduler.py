@@ -57,6 +57,7 @@ class RequestState:
     async_load: bool = False  # the last lookup's load waits instead of running layerwise
     pins: list = field(default_factory=list)  # memory pages held for a planned layerwise load
     computed: int = 0  # tokens with state at the last step (to count the blocks each step takes)
+    hit_pages: int = 0  # pages the engine or lmkv supplied when the request was admitted
     noted: bool = False  # lazy offload: this request's use of its prefix has been counted
 
 
@@ -204,6 +205,7 @@ class OffloadScheduler:
                 st.pins = [memory.borrow(st.seq.keys(lay, first, first + n), count=False) for lay in self.groups]
             self.stats.loaded_tokens += n * self.tpp
         st.stored_upto = max(st.stored_upto, first + n)
+        st.hit_pages = first + n
 
     # -- per step ------------------------------------------------------------
 
@@ -258,6 +260,8 @@ class OffloadScheduler:
                 self._engine_pages[eks[p]] = (g, st.seq.chains[p])
                 self._engine_pages.move_to_end(eks[p])
             self.lazy.note_chain(eks, used=not st.noted)
+            if not st.noted and eks:
+                self.lazy.note_request(eks[0], st.hit_pages / max(1, len(block_hashes)))
         st.noted = True
         while len(self._engine_pages) > self._chain_memory:
             self._engine_pages.popitem(last=False)

@@ -140,3 +140,18 @@ def test_simulator_lazy_writes_less_than_eager_and_never_stale():
     assert lazy.bytes_written < eager.bytes_written
     assert lazy.stale_writes == 0
     assert lazy.hit_tokens >= 0.9 * eager.hit_tokens
+
+
+def test_one_shot_families_are_not_copied(engine):
+    mgr, queue, finish = engine
+    once = finish("once", list(range(3, 3 + 3 * BS)))
+    kept = finish("kept", list(range(900, 900 + 3 * BS)))
+    p = _policy(set(), min_family_requests=3, min_reuse_rate=0.2)
+    p.note_chain(once)
+    p.note_chain(kept)
+    for _ in range(3):
+        p.note_request(once[0], cached_fraction=0.05)  # never served from cache
+        p.note_request(kept[0], cached_fraction=0.9)
+    p.note_step(200)
+    picks = p.plan(queue)
+    assert {x.block_hash for x in picks} == set(kept)
