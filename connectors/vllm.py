@@ -389,4 +389,5 @@ class LMKVWorkerExtension:
             conn = get_kv_transfer_group()
             if isinstance(conn, LMKVConnector) and conn.worker is not None:
                 out["transfers"] = dict(vars(conn.worker.stats.totals))
+                out["groups"] = {name: dict(vars(c)) for name, c in conn.worker.stats.groups.items()}
         return out

@@ -63,16 +63,21 @@ class TransferCounts:
 
 
 class WorkerStats:
-    """Transfer counts since start (``totals``) and since the engine last asked (:meth:`take`)."""
+    """Transfer counts since start (``totals``, and per cache group in ``groups``) and since the
+    engine last asked (:meth:`take`)."""
 
     def __init__(self) -> None:
         self.totals = TransferCounts()
+        self.groups: dict[str, TransferCounts] = {}
         self._recent = TransferCounts()
 
-    def add(self, **counts: int) -> None:
+    def add(self, group: str | None = None, **counts: int) -> None:
+        targets = [self.totals, self._recent]
+        if group is not None:
+            targets.append(self.groups.setdefault(group, TransferCounts()))
         for k, v in counts.items():
-            setattr(self.totals, k, getattr(self.totals, k) + v)
-            setattr(self._recent, k, getattr(self._recent, k) + v)
+            for t in targets:
+                setattr(t, k, getattr(t, k) + v)
 
     def take(self) -> dict[str, int]:
         out = dict(vars(self._recent))
@@ -151,6 +156,8 @@ class LayerwiseTransfer:
         self._held = [self.store.memory.borrow(self.keys(op), count=False) for op in plan.loads]
         by_group: dict[int, tuple[list[bytes], list[int]]] = {}
         for op in plan.stores:
+            if not self.groups[op.group].is_writer:
+                continue  # a replicated group: the first rank of the replica set writes for all of them
             keys, blocks = by_group.setdefault(op.group, ([], []))
             keys.extend(self.keys(op))
             blocks.extend(op.block_ids)
@@ -236,7 +243,8 @@ class LayerwiseTransfer:
             blocks, pages = [b for b, _ in good], [p for _, p in good]
             for layer in range(layout.num_layers):
                 self.layers[op.group][layer].scatter(blocks, pages, layout.layer_range(layer)[0])
-        self.stats.add(loaded_pages=len(good), failed_pages=len(failed), loaded_bytes=len(good) * layout.payload_bytes)
+        self.stats.add(layout.name, loaded_pages=len(good), failed_pages=len(failed),
+                       loaded_bytes=len(good) * layout.payload_bytes)
         return not failed
 
     def transfer_results(self, idle: bool = False) -> tuple[set[str], set[str]]:
@@ -290,6 +298,7 @@ class LayerwiseTransfer:
         with self._failed_lock:
             self._failed_chains.extend(c for c, ok in zip(load.chains, load.ok) if not ok)
         self.stats.add(
+            self.groups[g].name,
             failed_pages=len(failed),
             recomputed_tokens=recomputed,
             loaded_pages=len(load.pages),
@@ -338,10 +347,9 @@ class LayerwiseTransfer:
                 for layer in range(self.groups[g].num_layers):
                     self._gather(g, layer)
             results = self._session.commit()
-            self.stats.add(
-                stored_pages=sum(results),
-                stored_bytes=sum(lay.payload_bytes for lay, ok in zip(self._session.layouts, results) if ok),
-            )
+            for lay, ok in zip(self._session.layouts, results):
+                if ok:
+                    self.stats.add(lay.name, stored_pages=1, stored_bytes=lay.payload_bytes)
             self._session = None
         self._stores = {}
 

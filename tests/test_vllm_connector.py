@@ -327,5 +327,8 @@ def test_two_cache_groups_sliding_window_and_global(tmp_path):
         assert generate(e, [p]) == expected
         assert e.reset_prefix_cache()
         before = loaded(e)
+        groups_before = {g: c["loaded_pages"] for g, c in lmkv_stats(e)["groups"].items()}
         assert generate(e, [p]) == expected
         assert loaded(e) - before == 9 + 64 // BLOCK  # global: 9 full blocks; window: 2
+        per_group = {g: c["loaded_pages"] - groups_before.get(g, 0) for g, c in lmkv_stats(e)["groups"].items()}
+        assert sorted(per_group.values()) == [64 // BLOCK, 9]  # restored pages, counted per group

@@ -65,6 +65,10 @@ class Lease:
         self.release()
 
 
+#: slabs a small arena is cut into at least (slabs never shrink below 1 MiB)
+MIN_SLABS = 8
+
+
 class MemoryTier(LocalTier):
     def __init__(self, cfg: MemoryConfig, name: str = "memory", on_evict: EvictHook | None = None,
                  shared: bool = False) -> None:
@@ -76,7 +80,10 @@ class MemoryTier(LocalTier):
         #: told of every key published or removed (see :mod:`lmkv.residency`)
         self.listener: ResidencyLog | None = None
         self._arena = HostArena(int(cfg.capacity), cfg.pin, cfg.prefault, shared)
-        self._alloc = SlabAllocator(int(cfg.capacity), int(cfg.slab_size))
+        # Each page size (a model's cache groups differ) needs slabs of its own: a small arena is
+        # cut into at least MIN_SLABS of them rather than into one slab of slab_size.
+        slab = min(int(cfg.slab_size), max(int(cfg.capacity) // MIN_SLABS, 1 << 20))
+        self._alloc = SlabAllocator(int(cfg.capacity), slab)
         self._policies: dict[int, EvictionPolicy] = {}
         self._index: dict[bytes, _Entry] = {}
         self._domains = DomainRegistry()
