@@ -79,3 +79,30 @@ def make_gemma2(name: str = "gemma2-tiny", root: Path | None = None, seed: int =
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(json.dumps(want))
     return out
+
+
+def make_granite_hybrid(name: str = "granite-hybrid-tiny", root: Path | None = None, seed: int = 0,
+                        init_std: float = 0.3) -> Path:
+    """A GraniteMoeHybrid checkpoint: Mamba2 and attention layers interleaved (two kinds of
+    state). vLLM's CPU engine runs it with prefix caching off."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    spec = dict(vocab_size=1024, hidden_size=256, intermediate_size=256, shared_intermediate_size=256,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8, mamba_d_head=64,
+                mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, num_local_experts=2,
+                num_experts_per_tok=1, max_position_embeddings=2048, position_embedding_type="rope")
+    out = (root or default_cache_dir()) / name
+    stamp = out / "lmkv-model.json"
+    want = {"spec": spec, "seed": seed, "init_std": init_std, "arch": "granitemoehybrid"}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return out
+    torch.manual_seed(seed)
+    config = GraniteMoeHybridConfig(**spec, bos_token_id=1, eos_token_id=2, initializer_range=init_std,
+                                    torch_dtype="bfloat16")
+    model = GraniteMoeHybridForCausalLM(config).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps(want))
+    return out

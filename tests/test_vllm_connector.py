@@ -217,6 +217,22 @@ def test_lazy_offload_serves_back_what_the_engine_evicted(model):
         assert loaded(e) - before == 9
 
 
+def test_attention_mamba_hybrid_with_prefix_caching_off(tmp_path):
+    """GraniteMoeHybrid (Mamba2 + attention) on the CPU engine, prefix caching off: lmkv attached,
+    the engine serves the same tokens as without it and stays up. (lmkv does not restore Mamba
+    state yet: it serves such a model nothing rather than part of its state.)"""
+    from lmkv.tinymodels import make_granite_hybrid
+
+    model = str(make_granite_hybrid(root=tmp_path))
+    p = prompt(300, seed=90)
+    with engine(model, lmkv=None, prefix_caching=False) as e:
+        expected = generate(e, [p])
+    with engine(model, lmkv={"memory": {"capacity": "256MiB"}}, prefix_caching=False) as e:
+        assert generate(e, [p]) == expected
+        assert generate(e, [p]) == expected
+        assert lmkv_stats(e)["transfers"]["loaded_pages"] == 0
+
+
 def test_outputs_depend_on_the_restored_bytes(model):
     """The checks above can fail: scrambled KV pages (checksums off in memory) change the tokens."""
     with engine(model, lmkv={"memory": {"capacity": "256MiB", "verify_checksums": False}}) as e:
