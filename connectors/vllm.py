@@ -129,8 +129,6 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             self.groups = group_layouts(kv_cache_config, tp_size, tp_rank)
             sizes = {g.tokens_per_page for g in self.groups}
-            if len(sizes) > 1:
-                raise NotImplementedError(f"cache groups with different block sizes {sorted(sizes)}")
         except NotImplementedError as e:
             # Restoring some groups of a model but not others would produce wrong tokens: serve nothing.
             log.warning("lmkv: not caching this model's KV (%s); the engine runs as without lmkv", e)

@@ -37,27 +37,53 @@ def transfer_group_ids(kv_cache_config) -> list[int]:
     ]
 
 
+def _state_segments(spec) -> tuple[Segment, ...]:
+    """A Mamba layer's block: its state tensors (conv, then temporal/SSM state) back to back."""
+    import math
+
+    import torch
+
+    names = ("conv", "ssm") if len(spec.shapes) == 2 else tuple(f"state{i}" for i in range(len(spec.shapes)))
+    return tuple(
+        Segment(n, math.prod(shape) * torch.empty((), dtype=dt).element_size())
+        for n, shape, dt in zip(names, spec.shapes, spec.dtypes)
+    )
+
+
 def group_layouts(kv_cache_config, tp_size: int, tp_rank: int) -> list[GroupLayout]:
-    """Layouts of the transferable groups, in ``transfer_group_ids`` order."""
+    """Layouts of the transferable groups, in ``transfer_group_ids`` order.
+
+    Pages are the attention groups' blocks; a Mamba group's page is its state at a page
+    boundary (one per stored boundary), so it takes the attention page size as its
+    ``tokens_per_page``. Attention groups with different block sizes are not supported.
+    """
+    groups = [kv_cache_config.kv_cache_groups[g] for g in transfer_group_ids(kv_cache_config)]
+    kinds = [_kind(group.kv_cache_spec) for group in groups]
+    token_sizes = {g.kv_cache_spec.block_size for g, (k, _) in zip(groups, kinds) if k is not StateKind.MAMBA}
+    if len(token_sizes) > 1:
+        raise NotImplementedError(f"cache groups with different block sizes {sorted(token_sizes)}")
+    if not token_sizes:
+        raise NotImplementedError("a model with state but no attention group (no page boundaries to key it by)")
+    tpp = token_sizes.pop()
     out = []
-    for g in transfer_group_ids(kv_cache_config):
-        group = kv_cache_config.kv_cache_groups[g]
+    for gi, group, (kind, window) in zip(transfer_group_ids(kv_cache_config), groups, kinds):
         spec = group.kv_cache_spec
-        kind, window = _kind(spec)
         if kind is StateKind.MAMBA:
             replicas = tp_size if spec.tp_replicated else 1
+            segments = _state_segments(spec)
         else:
             replicas = getattr(kv_cache_config, "kv_tp_replicas", 1) or 1
             if tp_size % replicas:
                 replicas = 1
+            segments = (Segment("kv", spec.page_size_bytes),)
         dtype = getattr(spec, "dtype", None) or getattr(spec, "dtypes", ("?",))[0]
         out.append(
             GroupLayout(
-                name=f"group{g}",
+                name=f"group{gi}",
                 kind=kind,
                 num_layers=len(group.layer_names),
-                segments=(Segment("state" if kind is StateKind.MAMBA else "kv", spec.page_size_bytes),),
-                tokens_per_page=spec.block_size,
+                segments=segments,
+                tokens_per_page=tpp,
                 dtype=str(dtype).removeprefix("torch."),
                 tp_size=tp_size,
                 tp_rank=tp_rank,

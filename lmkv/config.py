@@ -92,7 +92,14 @@ class StoreConfig(_Section):
 
 
 class OffloadConfig(_Section):
-    """When computed pages are copied out of the engine (DESIGN.md mechanism 1)."""
+    """When computed pages are copied out of the engine (DESIGN.md mechanism 1), and which
+    recurrent states (Mamba) are kept."""
+
+    state_every_pages: int = Field(
+        1, ge=1, description="state groups (Mamba): store the state at every Nth page boundary a step ends on")
+    state_retention: Literal["every", "latest"] = Field(
+        "every", description="state groups: keep every stored boundary's state, or only a request's "
+        "latest (older ones are dropped when a newer one is stored)")
 
     policy: Literal["eager", "lazy"] = Field(
         "eager",

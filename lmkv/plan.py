@@ -27,6 +27,7 @@ class StepPlan:
     loads: list[PageOp] = field(default_factory=list)  # layerwise, during this step's forward
     async_loads: list[PageOp] = field(default_factory=list)  # in the background; the request waits
     stores: list[PageOp] = field(default_factory=list)
+    drops: list[PageOp] = field(default_factory=list)  # pages no longer worth keeping (superseded states)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.async_loads or self.stores)
+        return bool(self.loads or self.async_loads or self.stores or self.drops)

@@ -33,13 +33,18 @@ from typing import Protocol
 from lmkv.config import OffloadConfig
 from lmkv.keys import KeySpace, page_key
 from lmkv.offload import FreeQueue, LazyOffload, Pick
-from lmkv.layout import GroupLayout
+from lmkv.layout import GroupLayout, Growth
 from lmkv.plan import PageOp, StepPlan
 from lmkv.sequence import SequenceKeys, Span
 from lmkv.store import Lookup
 
 #: engine block id that marks "no block" (vLLM's null block; skipped windows)
 NULL_BLOCK = 0
+
+
+def _state_block(blocks: Sequence[int]) -> int | None:
+    """The block holding a request's running state in a state group (its last real block)."""
+    return next((b for b in reversed(blocks) if b != NULL_BLOCK), None)
 
 
 def _pages(tokens: int, tpp: int) -> int:
@@ -58,6 +63,7 @@ class RequestState:
     pins: list = field(default_factory=list)  # memory pages held for a planned layerwise load
     computed: int = 0  # tokens with state at the last step (to count the blocks each step takes)
     hit_pages: int = 0  # pages the engine or lmkv supplied when the request was admitted
+    state_page: int | None = None  # the page whose boundary state this request stored last
     noted: bool = False  # lazy offload: this request's use of its prefix has been counted
 
 
@@ -115,6 +121,7 @@ class OffloadScheduler:
         self.namespace = namespace
         self.requests: dict[str, RequestState] = {}
         self.stats = SchedulerStats()
+        self.offload = offload
         # lazy offload: active once the engine's free queue is bound (eager stores until then)
         self.lazy: LazyOffload | None = None
         if offload is not None and offload.policy == "lazy":
@@ -160,9 +167,17 @@ class OffloadScheduler:
         for layout in self.groups:
             if hit == 0:
                 break
+            if layout.growth is Growth.PER_SEQUENCE:
+                continue  # state groups: after the pages, below
             found = self.store.lookup(st.seq.keys(layout, local, local + hit))
             hit = min(hit, found.pages)
             tiers.update(found.tiers[:hit])
+        for layout in self.groups:
+            if hit and layout.growth is Growth.PER_SEQUENCE:
+                # one state per stored boundary: the hit ends at the last boundary whose state is held
+                present = self.store.contains(st.seq.keys(layout, local, local + hit))
+                hit = max((i + 1 for i, p in enumerate(present) if p), default=0)
+                tiers.add("state")
         st.async_load = self.load_mode == "async" or (self.load_mode == "auto" and not tiers <= {"memory"})
         self.stats.lookups += 1
         return hit * self.tpp
@@ -191,7 +206,13 @@ class OffloadScheduler:
         st.pending_loads = []
         if n:
             st.pending_loads = []
-            for g in range(len(self.groups)):
+            for g, layout in enumerate(self.groups):
+                if layout.growth is Growth.PER_SEQUENCE:  # the state at the hit's last boundary
+                    bid = _state_block(block_ids[g])
+                    if bid is not None:
+                        p = first + n - 1
+                        st.pending_loads.append(PageOp(req_id, g, [st.seq.chains[p]], [bid], [p]))
+                    continue
                 # A group may hold no block for some pages (a sliding window's skipped blocks).
                 want = [p for p in range(first, first + n) if block_ids[g][p] != NULL_BLOCK]
                 if want:
@@ -239,7 +260,10 @@ class OffloadScheduler:
                 else:
                     blocks = block_ids_of(s.req_id)
                     for g, layout in enumerate(self.groups):
-                        op = self._store_op(st, g, layout, st.stored_upto, full, blocks[g], planned)
+                        if layout.growth is Growth.PER_SEQUENCE:
+                            op = self._state_op(st, g, layout, s.computed_after_step, full, blocks[g], plan)
+                        else:
+                            op = self._store_op(st, g, layout, st.stored_upto, full, blocks[g], planned)
                         if op is not None:
                             plan.stores.append(op)
                 st.stored_upto = full
@@ -289,6 +313,26 @@ class OffloadScheduler:
             blocks.append(p.block_id)
         self.stats.stored_pages += len(self._inflight)
         return [PageOp("", g, chains, blocks, []) for g, (chains, blocks) in sorted(by_group.items())]
+
+    def _state_op(
+        self, st: RequestState, g: int, layout: GroupLayout, computed: int, full: int,
+        blocks: Sequence[int], plan: StepPlan,
+    ) -> PageOp | None:
+        """A state group's page: the state as of a page boundary, when this step ended exactly on
+        one that the retention setting keeps (``offload.state_every_pages``; with
+        ``state_retention: latest`` the request's previous one is dropped)."""
+        every = self.offload.state_every_pages if self.offload else 1
+        if computed != full * self.tpp or full % every:
+            return None
+        bid = _state_block(blocks)
+        key = st.seq.keys(layout, full - 1, full)[0]
+        if bid is None or self.store.contains([key])[0]:
+            return None
+        if self.offload is not None and self.offload.state_retention == "latest" and st.state_page is not None:
+            plan.drops.append(PageOp(st.req_id, g, [st.seq.chains[st.state_page]], [], [st.state_page]))
+        st.state_page = full - 1
+        self.stats.stored_pages += 1
+        return PageOp(st.req_id, g, [st.seq.chains[full - 1]], [bid], [full - 1])
 
     def _store_op(
         self, st: RequestState, g: int, layout: GroupLayout, start: int, end: int,

@@ -151,6 +151,8 @@ class LayerwiseTransfer:
     def begin(self, plan: StepPlan) -> None:
         self._abort_leftovers()
         self._plan = plan
+        if plan.drops:  # superseded states: gone from every tier, in the background
+            self.store.submit(self.store.delete, [k for op in plan.drops for k in self.keys(op)])
         self.layers_touched = False  # whether this step ran a forward (its layer hooks)
         # Hold this step's memory-resident pages before reserving room for its stores, which may evict.
         self._held = [self.store.memory.borrow(self.keys(op), count=False) for op in plan.loads]

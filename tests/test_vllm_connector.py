@@ -217,20 +217,33 @@ def test_lazy_offload_serves_back_what_the_engine_evicted(model):
         assert loaded(e) - before == 9
 
 
-def test_attention_mamba_hybrid_with_prefix_caching_off(tmp_path):
-    """GraniteMoeHybrid (Mamba2 + attention) on the CPU engine, prefix caching off: lmkv attached,
-    the engine serves the same tokens as without it and stays up. (lmkv does not restore Mamba
-    state yet: it serves such a model nothing rather than part of its state.)"""
+def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
+    """GraniteMoeHybrid (Mamba2 + attention layers), prefix caching off (the engine's own cache
+    does not run such a model on this CPU): lmkv restores the attention pages and the Mamba state
+    at the last page boundary a step ended on (192 of 300 tokens with 192-token chunks), and the
+    tokens are those of the engine without lmkv. Scrambled state pages change them."""
+    from lmkv.runtime import live_stores
     from lmkv.tinymodels import make_granite_hybrid
 
     model = str(make_granite_hybrid(root=tmp_path))
     p = prompt(300, seed=90)
-    with engine(model, lmkv=None, prefix_caching=False) as e:
+    with engine(model, lmkv=None, prefix_caching=False, batched_tokens=192) as e:
         expected = generate(e, [p])
-    with engine(model, lmkv={"memory": {"capacity": "256MiB"}}, prefix_caching=False) as e:
-        assert generate(e, [p]) == expected
-        assert generate(e, [p]) == expected
-        assert lmkv_stats(e)["transfers"]["loaded_pages"] == 0
+    cfg = {"memory": {"capacity": "256MiB", "verify_checksums": False}}
+    with engine(model, lmkv=cfg, prefix_caching=False, batched_tokens=192) as e:
+        assert generate(e, [p]) == expected  # cold: stores the pages, and the state at token 192
+        outs = run(e, [p])
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        assert outs[0].num_cached_tokens == 192
+        loaded_by_group = sorted(c["loaded_pages"] for c in lmkv_stats(e)["groups"].values())
+        assert loaded_by_group == [1, 2]  # one state, two 96-token attention pages
+        (store,) = live_stores().values()
+        with store.memory.borrow(store.memory.keys()) as lease:
+            state_bytes = min(h.payload_len for h in lease.headers)
+            for h, v in zip(lease.headers, lease.views):
+                if h.payload_len == state_bytes:
+                    v[:] = v[::-1].copy()
+        assert generate(e, [p]) != expected
 
 
 def test_outputs_depend_on_the_restored_bytes(model):

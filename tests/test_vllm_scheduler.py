@@ -334,8 +334,9 @@ def test_kv_events_name_the_tier_and_the_domain(model_config):
 
 
 def test_a_model_lmkv_cannot_restore_whole_is_served_nothing(model_config):
-    """Groups with different block sizes (e.g. attention + Mamba with prefix caching on) are not
-    handled yet: restoring some groups and not others would be wrong, so lmkv offers no hit."""
+    """Attention groups with different block sizes are not handled yet: restoring some groups and
+    not others would be wrong, so lmkv offers no hit. (A Mamba group's block size may differ:
+    its pages are states at the attention page boundaries.)"""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 

@@ -1,0 +1,83 @@
+"""State groups (Mamba): one state per stored page boundary, a retention setting, and lookups
+that end at the last boundary whose state is held — on lmkv's scheduler, no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmkv.config import OffloadConfig, load_config
+from lmkv.layout import GroupLayout, Segment, StateKind, attention_layout
+from lmkv.scheduler import OffloadScheduler, Scheduled
+from lmkv.store import TieredStore
+
+TPP = 16
+ATTN = attention_layout("attn", 2, TPP, 1, 64, 2, "bfloat16")
+STATE = GroupLayout("mamba", StateKind.MAMBA, 2, (Segment("conv", 512), Segment("ssm", 2048)), TPP, "float32")
+TOKENS = list(range(3, 3 + 100))
+STATE_BLOCK = 77
+
+
+@pytest.fixture
+def store():
+    with TieredStore(load_config({"memory": {"capacity": "64MiB"}}, environ={})) as s:
+        yield s
+
+
+def _sched(store, **offload) -> OffloadScheduler:
+    return OffloadScheduler(store, [ATTN, STATE], TPP, "m", "ns", offload=OffloadConfig(**offload))
+
+
+def _blocks(rid):
+    return [list(range(1, 8)), [STATE_BLOCK]]
+
+
+def _steps(sched, computed_each_step: list[int]):
+    """Run the request through steps ending at these token counts; the plans, in order."""
+    plans = []
+    st = sched.track("r")
+    sched.lookup(st, TOKENS, 0)
+    sched.allocated("r", _blocks("r"), 0)
+    for c in computed_each_step:
+        plans.append(sched.build_plan([Scheduled("r", c, TOKENS)], _blocks))
+    return plans
+
+
+def _state_ops(plan):
+    return [op for op in plan.stores if op.group == 1]
+
+
+def test_a_state_is_stored_only_when_a_step_ends_on_a_page_boundary(store):
+    plans = _steps(_sched(store), [24, 32, 40, 64])
+    assert [_state_ops(p) for p in plans][0] == []  # 24 tokens: inside page 2
+    (op,) = _state_ops(plans[1])  # 32 = 2 pages: the state after page 2
+    assert op.pages == [1] and op.block_ids == [STATE_BLOCK]
+    assert _state_ops(plans[2]) == []
+    assert [o.pages for o in _state_ops(plans[3])] == [[3]]
+    # attention pages are stored as they complete, whatever the step boundary
+    assert [p for plan in plans for op in plan.stores if op.group == 0 for p in op.pages] == [0, 1, 2, 3]
+
+
+def test_retention_every_n_pages_and_latest_only(store):
+    plans = _steps(_sched(store, state_every_pages=2), [16, 32, 48, 64])
+    assert [o.pages for p in plans for o in _state_ops(p)] == [[1], [3]]  # boundaries at pages 2 and 4 only
+    plans = _steps(_sched(store, state_retention="latest"), [16, 32, 48])
+    assert [o.pages for p in plans for o in _state_ops(p)] == [[0], [1], [2]]
+    assert [[o.pages for o in p.drops] for p in plans] == [[], [[0]], [[1]]]  # each new state drops the last
+
+
+def test_a_hit_ends_at_the_last_boundary_whose_state_is_held(store):
+    sched = _sched(store)
+    st = sched.track("a")
+    sched.lookup(st, TOKENS, 0)
+    keys_attn = st.seq.keys(ATTN, 0, 5)
+    keys_state = st.seq.keys(STATE, 0, 5)
+    store.put(keys_attn, [ATTN] * 5, [bytes(ATTN.payload_bytes)] * 5)
+    store.put([keys_state[2]], [STATE], [bytes(STATE.payload_bytes)])  # a state at 48 tokens only
+    st2 = sched.track("b")
+    assert sched.lookup(st2, TOKENS, 0) == 3 * TPP  # 5 attention pages held, the state only at 3
+    sched.allocated("b", _blocks("b"), 3 * TPP)
+    loads = st2.pending_loads
+    assert [(op.group, op.pages) for op in loads] == [(0, [0, 1, 2]), (1, [2])]
+    assert loads[1].block_ids == [STATE_BLOCK]
+    store.delete([keys_state[2]])
+    assert sched.lookup(sched.track("c"), TOKENS, 0) == 0  # no state held: nothing can be restored
