@@ -255,17 +255,19 @@ class OffloadScheduler:
             st.computed = s.computed_after_step
             if full > st.stored_upto:
                 st.seq.extend(s.tokens[: full * self.tpp])
-                if self.lazy_active:
+                lazy = self.lazy_active
+                if lazy:
                     self._remember(st, s.block_hashes, full)
-                else:
-                    blocks = block_ids_of(s.req_id)
-                    for g, layout in enumerate(self.groups):
-                        if layout.growth is Growth.PER_SEQUENCE:
-                            op = self._state_op(st, g, layout, s.computed_after_step, full, blocks[g], plan)
-                        else:
-                            op = self._store_op(st, g, layout, st.stored_upto, full, blocks[g], planned)
-                        if op is not None:
-                            plan.stores.append(op)
+                blocks = block_ids_of(s.req_id)
+                for g, layout in enumerate(self.groups):
+                    if layout.growth is Growth.PER_SEQUENCE:  # states are not in the free queue: stored now
+                        op = self._state_op(st, g, layout, s.computed_after_step, full, blocks[g], plan)
+                    elif not lazy:
+                        op = self._store_op(st, g, layout, st.stored_upto, full, blocks[g], planned)
+                    else:
+                        continue
+                    if op is not None:
+                        plan.stores.append(op)
                 st.stored_upto = full
         if self.lazy_active:
             plan.stores.extend(self._lazy_stores(max(0, allocated)))
@@ -278,7 +280,9 @@ class OffloadScheduler:
         and tell the policy the chain; a request's first report counts as a use of its prefix."""
         assert self.lazy is not None and self._engine_key is not None
         n = min(full, len(block_hashes))
-        for g in range(len(self.groups)):
+        for g, layout in enumerate(self.groups):
+            if layout.growth is Growth.PER_SEQUENCE:
+                continue
             eks = [self._engine_key(g, h) for h in block_hashes[:n]]
             for p in range(st.stored_upto, n):
                 self._engine_pages[eks[p]] = (g, st.seq.chains[p])
