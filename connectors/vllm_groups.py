@@ -73,6 +73,10 @@ def group_layouts(kv_cache_config, tp_size: int, tp_rank: int) -> list[GroupLayo
             segments = _state_segments(spec)
         else:
             replicas = getattr(kv_cache_config, "kv_tp_replicas", 1) or 1
+            shards = getattr(spec, "max_tp_shards", None)
+            if shards and tp_size > shards and tp_size % shards == 0:
+                # "TP ranks beyond max_tp_shards hold replicas" (e.g. fewer KV heads than ranks)
+                replicas = max(replicas, tp_size // shards)
             if tp_size % replicas:
                 replicas = 1
             segments = (Segment("kv", spec.page_size_bytes),)

@@ -53,3 +53,23 @@ def test_fingerprint_tracks_bytes_not_rank(layout):
     other = GroupLayout(**{**layout.to_dict(), "num_layers": 5})
     assert other.fingerprint != layout.fingerprint
     assert "4 layers" in layout.describe()
+
+
+def test_vllm_replication_fields_decide_writers():
+    """Replication comes from vLLM's own fields: kv_tp_replicas, max_tp_shards, tp_replicated."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from lmkv.connectors.vllm_groups import group_layouts
+
+    attn = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, max_tp_shards=2)
+    mamba = MambaSpec(block_size=1024, shapes=((3, 32), (4, 16, 8)), dtypes=(torch.bfloat16, torch.float32),
+                      tp_replicated=False)
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["a"], attn), KVCacheGroupSpec(["m"], mamba)])
+    a, m = group_layouts(cfg, tp_size=4, tp_rank=3)
+    assert a.tp_replicas == 2 and a.shard == 1 and not a.is_writer  # 4 ranks, 2 shards: rank 3 replicates rank 2
+    assert m.tp_replicas == 1 and m.shard == 3 and m.is_writer  # a sharded state: every rank writes its own
+    assert [s.nbytes for s in m.segments] == [3 * 32 * 2, 4 * 16 * 8 * 4]  # conv, then temporal state
+    assert a.tokens_per_page == m.tokens_per_page == 16  # states keyed by attention page boundaries
