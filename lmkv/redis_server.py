@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -42,13 +43,14 @@ def _binary(name: str) -> str:
     return path
 
 
-def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 10.0, ca: str | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode} (port in use?)")
         try:
-            with socket.create_connection(("127.0.0.1", port), 0.2) as s:
+            raw = socket.create_connection(("127.0.0.1", port), 0.2)
+            with (ssl.create_default_context(cafile=ca).wrap_socket(raw, server_hostname="127.0.0.1") if ca else raw) as s:
                 s.sendall(b"PING\r\n")
                 if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # up (maybe asking for a password)
                     return
@@ -84,23 +86,30 @@ class RedisProcesses:
         self.stop()
 
 
-def _spawn(port: int, workdir: Path, extra: list[str]) -> subprocess.Popen:
-    args = [_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+def _spawn(port: int, workdir: Path, extra: list[str], tls: tuple[str, str] | None = None) -> subprocess.Popen:
+    listen = ["--port", str(port)]
+    if tls:  # TLS only: the plain port is closed
+        cert, key = tls
+        listen = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", cert, "--tls-key-file", key,
+                  "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]
+    args = [_binary("redis-server"), *listen, "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "no", *extra]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_ready(port, proc)
+    _wait_ready(port, proc, ca=tls[0] if tls else None)
     return proc
 
 
-def start_redis(port: int | None = None, maxmemory: str | None = None, password: str | None = None) -> RedisProcesses:
-    """One redis-server with no persistence; ``maxmemory`` evicts with allkeys-lru."""
+def start_redis(port: int | None = None, maxmemory: str | None = None, password: str | None = None,
+                tls: tuple[str, str] | None = None) -> RedisProcesses:
+    """One redis-server with no persistence; ``maxmemory`` evicts with allkeys-lru; ``tls`` =
+    (certificate, key) serves TLS only (``rediss://``)."""
     port = port or free_port()
     workdir = Path(tempfile.mkdtemp(prefix="lmkv-redis-"))
     extra = ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
     if password:
         extra += ["--requirepass", password]
-    proc = _spawn(port, workdir, extra)
-    return RedisProcesses(f"redis://127.0.0.1:{port}", [port], [proc], workdir)
+    proc = _spawn(port, workdir, extra, tls)
+    return RedisProcesses(f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}", [port], [proc], workdir)
 
 
 def start_cluster(nodes: int = 3) -> RedisProcesses:

@@ -193,3 +193,50 @@ def test_bad_urls_are_config_errors():
         open_remote(RemoteConfig(url="http://x"))
     with pytest.raises(ConfigError, match="host:port"):
         open_remote(RemoteConfig(url="redis-cluster://nohostport"))
+
+
+def test_tls(tmp_path, layout):
+    import subprocess
+
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", key, "-out", cert],
+                   check=True, capture_output=True)
+    with start_redis(tls=(cert, key)) as r:
+        assert r.url.startswith("rediss://")
+        t = RedisTier(RemoteConfig(url=r.url, tls_ca=cert))
+        keys, payloads, pages = _pages(layout, 3)
+        assert t.put(pages, "engine") == [True] * 3
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        assert all(h is not None for h in t.get(keys, layout, outs))
+        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+        t.close()
+        untrusted = RedisTier(RemoteConfig(url=r.url, timeout=1))  # the system CAs do not know this certificate
+        with pytest.raises(TierUnavailableError):
+            untrusted.contains(keys)
+        untrusted.close()
+
+
+def test_lmkv_server_with_redis_beneath(redis_node, layout):
+    """lmkv serve holding memory with Redis beneath: what clients put reaches Redis, and a
+    restarted server (memory empty) serves it back from Redis."""
+    from lmkv.server import spawn
+    from lmkv.tiers.server_client import ServerTier
+
+    env = {"LMKV_REMOTE__URL": redis_node.url, "LMKV_REMOTE__KEY_PREFIX": "beneath:"}
+    keys, payloads, pages = _pages(layout, 4)
+    with spawn("--memory", "64MiB", env=env) as s:
+        c = ServerTier(RemoteConfig(url=s.url))
+        assert c.put(pages, "engine") == [True] * 4
+        deadline = time.monotonic() + 10  # the server copies down to Redis in the background
+        while c.server_stats()["redis"]["puts"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.server_stats()["redis"]["puts"] == 4
+        c.close()
+    with spawn("--memory", "64MiB", env=env) as s:
+        c = ServerTier(RemoteConfig(url=s.url))
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        assert all(h is not None for h in c.get(keys, layout, outs))
+        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+        assert c.server_stats()["redis"]["hits"] == 4
+        c.close()
