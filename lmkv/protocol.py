@@ -56,6 +56,10 @@ class ProtocolError(LMKVError):
     """The peer sent something that is not a valid frame; the connection is closed."""
 
 
+class PeerClosed(ProtocolError):
+    """The peer closed the connection between frames (a normal end, not an error)."""
+
+
 class RemoteError(LMKVError):
     """The server refused a request (the message says why); the connection stays usable."""
 
@@ -204,7 +208,7 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
-            raise ProtocolError(f"connection closed after {got} of {n} bytes")
+            raise (PeerClosed if got == 0 else ProtocolError)(f"connection closed after {got} of {n} bytes")
         got += k
 
 

@@ -52,6 +52,7 @@ from lmkv.protocol import (
     GetReply,
     HelloReply,
     Op,
+    PeerClosed,
     ProtocolError,
     Stats,
     Stored,
@@ -140,13 +141,14 @@ class Client:
             while not self.server.stopping.is_set():
                 try:
                     op, meta, bulk = read_frame(self.sock, max_bulk)
+                except PeerClosed:
+                    return  # the client hung up between requests
                 except (ProtocolError, OSError) as e:
-                    if not isinstance(e, ProtocolError) or "closed after 0 of" not in str(e):
-                        log.info("lmkv serve: %s: %s; closing its connection", self.peer, e)
-                        try:
-                            self.error(str(e))
-                        except OSError:
-                            pass
+                    log.info("lmkv serve: %s: %s; closing its connection", self.peer, e)
+                    try:
+                        self.error(str(e))
+                    except OSError:
+                        pass
                     return
                 try:
                     req = decode_request(op, meta)
