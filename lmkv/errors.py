@@ -29,3 +29,7 @@ class TierFullError(LMKVError):
 
 class TierUnavailableError(LMKVError):
     """The backend cannot be reached now (down, timed out, restarting)."""
+
+
+class TierBusyError(LMKVError):
+    """Every connection to the backend is in use: this call is a miss, the backend is not down."""

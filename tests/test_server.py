@@ -298,3 +298,17 @@ def test_prometheus_endpoint(layout):
         assert 'lmkv_puts_total{tier="memory"} 3.0' in body
         assert 'lmkv_pages{tier="memory"} 3.0' in body
         t.close()
+
+
+def test_a_busy_pool_is_a_miss_not_an_outage(server, layout):
+    from lmkv.errors import TierBusyError
+
+    t = _tier(server.url, max_connections=1, timeout=0.3)
+    keys, _, pages = _pages(layout, 1)
+    t.put(pages, "engine")
+    with t._conn():  # the only connection is taken
+        with pytest.raises(TierBusyError):
+            t.contains(keys)
+    assert t.health.up  # the server is fine
+    assert t.contains(keys) == [True]
+    t.close()

@@ -24,7 +24,7 @@ import numpy as np
 
 from lmkv import shm_window
 from lmkv.config import ConfigError, RemoteConfig
-from lmkv.errors import PageError, TierUnavailableError
+from lmkv.errors import PageError, TierBusyError, TierUnavailableError
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, unpack_header, units_in_ranges, verify_units
 from lmkv.protocol import (
@@ -160,7 +160,7 @@ class ServerTier(RemoteTier):
     def _conn(self):
         """A pooled connection; any transport failure drops it and means the server is unreachable."""
         if not self._slots.acquire(timeout=self.cfg.timeout):
-            raise TierUnavailableError(f"{self.name}: all {self.cfg.max_connections} connections busy")
+            raise TierBusyError(f"{self.name}: all {self.cfg.max_connections} connections busy")
         conn = None
         try:
             with self._lock:
