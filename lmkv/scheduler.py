@@ -127,7 +127,6 @@ class OffloadScheduler:
         if offload is not None and offload.policy == "lazy":
             page_bytes = max((lay.payload_bytes for lay in self.groups), default=1)
             self.lazy = LazyOffload(offload, page_bytes, self._engine_resident)
-            self._chain_memory = offload.chain_memory
         self._pool: FreeQueue | None = None
         self._engine_key: Callable[[int, bytes], bytes] | None = None
         self._engine_pages: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()  # engine hash -> (group, chain)
@@ -291,7 +290,7 @@ class OffloadScheduler:
             if not st.noted and eks:
                 self.lazy.note_request(eks[0], st.hit_pages / max(1, len(block_hashes)))
         st.noted = True
-        while len(self._engine_pages) > self._chain_memory:
+        while len(self._engine_pages) > self.lazy.cfg.chain_memory:
             self._engine_pages.popitem(last=False)
 
     def _engine_resident(self, engine_hash: bytes) -> bool:

@@ -156,7 +156,6 @@ class Client:
                         raise _Refused("the first request must be HELLO")
                     self.handle(Op(op), req, bulk, store)
                 except (_Refused, ValueError) as e:  # refused before its bulk was read: drop the bulk
-                    self.server.refused += 1
                     if bulk:
                         discard(self.sock, bulk)
                     self.error(str(e))
@@ -194,7 +193,6 @@ class Client:
         if req.version != PROTOCOL_VERSION:
             raise _Fatal(f"protocol version {req.version}; this server speaks {PROTOCOL_VERSION}")
         if cfg.token is not None and not hmac.compare_digest((req.token or "").encode(), cfg.token.encode()):
-            self.server.refused_auth += 1
             raise _Fatal("authentication failed")
         if not 0 < len(req.namespace) <= 256:
             raise _Fatal("namespace must have 1-256 characters")
@@ -354,8 +352,6 @@ class Server:
         self.cfg = cfg
         self.store = TieredStore(cfg)
         self.stopping = threading.Event()
-        self.refused = 0
-        self.refused_auth = 0
         self._slots = threading.BoundedSemaphore(sc.max_connections)
         self._clients: set[Client] = set()
         self._lock = threading.Lock()

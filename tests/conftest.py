@@ -34,6 +34,15 @@ def random_key() -> bytes:
     return os.urandom(16)
 
 
+def make_pages(layout: GroupLayout, n: int, seed: int = 0):
+    """``n`` random pages: their keys, payloads, and (header, payload) pairs ready for ``Tier.put``."""
+    from lmkv.page import make_header
+
+    keys = [random_key() for _ in range(n)]
+    payloads = [random_payload(layout, seed + i) for i in range(n)]
+    return keys, payloads, [(make_header(k, layout, p), p) for k, p in zip(keys, payloads)]
+
+
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A 1 MiB tmpfs: a real file system that fills up. Needs root (CI runs as root)."""

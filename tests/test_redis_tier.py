@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import redis
 
-from conftest import random_key, random_payload
+from conftest import make_pages, random_key
 from lmkv.config import ConfigError, RemoteConfig, load_config
 from lmkv.errors import TierUnavailableError
-from lmkv.page import make_header
 from lmkv.redis_server import free_port, start_redis
 from lmkv.store import TieredStore
 from lmkv.tiers.redis import RedisTier
@@ -27,12 +26,6 @@ def tier(request):
     t.close()
 
 
-def _pages(layout, n, seed=0):
-    keys = [random_key() for _ in range(n)]
-    payloads = [random_payload(layout, seed + i) for i in range(n)]
-    return keys, payloads, [(make_header(k, layout, p), p) for k, p in zip(keys, payloads)]
-
-
 def _raw_client(tier: RedisTier):
     """A plain redis-py client on the same backend, to damage what lmkv stored."""
     url = tier.cfg.url
@@ -43,7 +36,7 @@ def _raw_client(tier: RedisTier):
 
 
 def test_roundtrip_ranges_delete(tier, layout):
-    keys, payloads, pages = _pages(layout, 5)
+    keys, payloads, pages = make_pages(layout, 5)
     assert tier.put(pages, "engine") == [True] * 5
     assert tier.contains(keys + [random_key()]) == [True] * 5 + [False]
     outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
@@ -63,7 +56,7 @@ def test_roundtrip_ranges_delete(tier, layout):
 
 
 def test_flipped_byte_in_redis_is_a_miss_and_dropped(tier, layout):
-    keys, payloads, pages = _pages(layout, 2)
+    keys, payloads, pages = make_pages(layout, 2)
     tier.put(pages, "engine")
     raw = _raw_client(tier)
     name = tier._names(keys[0])[1]
@@ -77,7 +70,7 @@ def test_flipped_byte_in_redis_is_a_miss_and_dropped(tier, layout):
 
 
 def test_payload_evicted_but_header_left_is_a_miss(tier, layout):
-    keys, _, pages = _pages(layout, 1)
+    keys, _, pages = make_pages(layout, 1)
     tier.put(pages, "engine")
     _raw_client(tier).delete(tier._names(keys[0])[1])
     assert tier.get(keys, layout, [np.zeros(layout.payload_bytes, np.uint8)]) == [None]
@@ -85,11 +78,11 @@ def test_payload_evicted_but_header_left_is_a_miss(tier, layout):
 
 
 def test_truncated_payload_and_foreign_layout_are_misses(tier, layout, mamba_layout):
-    keys, _, pages = _pages(layout, 1)
+    keys, _, pages = make_pages(layout, 1)
     tier.put(pages, "engine")
     _raw_client(tier).set(tier._names(keys[0])[1], b"short")
     assert tier.get(keys, layout, [np.zeros(layout.payload_bytes, np.uint8)]) == [None]
-    keys, _, pages = _pages(layout, 1, seed=5)
+    keys, _, pages = make_pages(layout, 1, seed=5)
     tier.put(pages, "engine")
     # the same key asked for as another model's layout: refused by the header check
     assert tier.get(keys, mamba_layout, [np.zeros(mamba_layout.payload_bytes, np.uint8)]) == [None]
@@ -98,7 +91,7 @@ def test_truncated_payload_and_foreign_layout_are_misses(tier, layout, mamba_lay
 
 def test_ttl_expiry_is_a_miss(redis_node, layout):
     t = RedisTier(RemoteConfig(url=redis_node.url, ttl=0.3, key_prefix="ttl:"))
-    keys, _, pages = _pages(layout, 2)
+    keys, _, pages = make_pages(layout, 2)
     t.put(pages, "engine")
     assert t.contains(keys) == [True, True]
     time.sleep(0.6)
@@ -111,7 +104,7 @@ def test_maxmemory_eviction_loses_nothing_it_serves(layout):
     """A Redis with a 4 MiB limit evicting under allkeys-lru: every page served is intact."""
     with start_redis(maxmemory="4mb") as r:
         t = RedisTier(RemoteConfig(url=r.url))
-        keys, payloads, pages = _pages(layout, 200)  # 12.5 MiB of pages
+        keys, payloads, pages = make_pages(layout, 200)  # 12.5 MiB of pages
         for i in range(0, 200, 10):
             t.put(pages[i : i + 10], "engine")
         outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
@@ -127,7 +120,7 @@ def test_maxmemory_eviction_loses_nothing_it_serves(layout):
 def test_password_from_config(layout):
     with start_redis(password="s3cret") as r:
         good = RedisTier(RemoteConfig(url=r.url, password="s3cret"))
-        keys, _, pages = _pages(layout, 1)
+        keys, _, pages = make_pages(layout, 1)
         assert good.put(pages, "engine") == [True]
         bad = RedisTier(RemoteConfig(url=r.url, password="wrong", timeout=1))
         with pytest.raises(TierUnavailableError):
@@ -142,7 +135,7 @@ def test_backend_down_at_start_then_up(layout):
     cfg = load_config({"remote": {"url": f"redis://127.0.0.1:{port}", "connect_timeout": 0.2, "timeout": 0.5}},
                       environ={})
     with TieredStore(cfg) as store:
-        keys, payloads, _ = _pages(layout, 2)
+        keys, payloads, _ = make_pages(layout, 2)
         assert store.lookup(keys).pages == 0  # no exception: a miss
         t0 = time.monotonic()
         assert store.lookup(keys).pages == 0
@@ -163,7 +156,7 @@ def test_redis_stopped_midway_is_a_miss(layout):
     r = start_redis()
     cfg = load_config({"remote": {"url": r.url, "timeout": 1}}, environ={})
     with TieredStore(cfg) as store:
-        keys, payloads, _ = _pages(layout, 2)
+        keys, payloads, _ = make_pages(layout, 2)
         store.put(keys, [layout] * 2, payloads)
         store.drain()
         store.memory.delete(keys)
@@ -177,7 +170,7 @@ def test_redis_stopped_midway_is_a_miss(layout):
 def test_store_shares_pages_through_redis(redis_cluster, layout):
     """Two stores (two engines) over one cluster: the second is served what the first wrote."""
     cfg = load_config({"remote": {"url": redis_cluster.url, "key_prefix": "share:"}}, environ={})
-    keys, payloads, _ = _pages(layout, 6)
+    keys, payloads, _ = make_pages(layout, 6)
     with TieredStore(cfg) as a:
         a.put(keys, [layout] * 6, payloads)
     with TieredStore(cfg) as b:
@@ -205,7 +198,7 @@ def test_tls(tmp_path, layout):
     with start_redis(tls=(cert, key)) as r:
         assert r.url.startswith("rediss://")
         t = RedisTier(RemoteConfig(url=r.url, tls_ca=cert))
-        keys, payloads, pages = _pages(layout, 3)
+        keys, payloads, pages = make_pages(layout, 3)
         assert t.put(pages, "engine") == [True] * 3
         outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
         assert all(h is not None for h in t.get(keys, layout, outs))
@@ -224,7 +217,7 @@ def test_lmkv_server_with_redis_beneath(redis_node, layout):
     from lmkv.tiers.server_client import ServerTier
 
     env = {"LMKV_REMOTE__URL": redis_node.url, "LMKV_REMOTE__KEY_PREFIX": "beneath:"}
-    keys, payloads, pages = _pages(layout, 4)
+    keys, payloads, pages = make_pages(layout, 4)
     with spawn("--memory", "64MiB", env=env) as s:
         c = ServerTier(RemoteConfig(url=s.url))
         assert c.put(pages, "engine") == [True] * 4

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import random_key, random_payload
+from conftest import make_pages, random_key, random_payload
 from lmkv.config import ConfigError, RemoteConfig, load_config
 from lmkv.errors import TierUnavailableError
 from lmkv.page import make_header
@@ -33,16 +33,10 @@ def _tier(url: str, **kw) -> ServerTier:
     return ServerTier(RemoteConfig(url=url, **kw), namespace=ns)
 
 
-def _pages(layout, n, seed=0):
-    keys = [random_key() for _ in range(n)]
-    payloads = [random_payload(layout, seed + i) for i in range(n)]
-    return keys, payloads, [(make_header(k, layout, p), p) for k, p in zip(keys, payloads)]
-
-
 @pytest.mark.parametrize("shm", ["never", "auto"])
 def test_roundtrip(server, layout, shm):
     t = _tier(server.url, shm=shm)
-    keys, payloads, pages = _pages(layout, 20)
+    keys, payloads, pages = make_pages(layout, 20)
     assert t.put(pages, "engine") == [True] * 20
     with t._conn() as c:
         assert (c.window is not None) == (shm == "auto")
@@ -62,7 +56,7 @@ def test_roundtrip(server, layout, shm):
 
 def test_namespaces_are_isolated(server, layout):
     a, b = _tier(server.url, namespace="tenant-a"), _tier(server.url, namespace="tenant-b")
-    keys, payloads, pages = _pages(layout, 3)
+    keys, payloads, pages = make_pages(layout, 3)
     a.put(pages, "engine")
     assert b.contains(keys) == [False] * 3
     assert b.get(keys, layout, [np.zeros(layout.payload_bytes, np.uint8)] * 3) == [None] * 3
@@ -77,7 +71,7 @@ def test_namespaces_are_isolated(server, layout):
 
 def test_wrong_layout_is_a_miss(server, layout, mamba_layout):
     t = _tier(server.url)
-    keys, _, pages = _pages(layout, 1)
+    keys, _, pages = make_pages(layout, 1)
     t.put(pages, "engine")
     assert t.get(keys, mamba_layout, [np.zeros(mamba_layout.payload_bytes, np.uint8)]) == [None]
     t.close()
@@ -133,7 +127,7 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("case", BAD_FRAMES)
 def test_broken_frames_close_only_that_connection(server, layout, case):
     good = _tier(server.url)
-    keys, _, pages = _pages(layout, 2)
+    keys, _, pages = make_pages(layout, 2)
     good.put(pages, "engine")
     s = _raw(server.port)
     s.sendall(_hello())
@@ -174,7 +168,7 @@ def test_token_required_off_loopback_and_checked(layout, monkeypatch):
         Server(load_config({"server": {"host": "0.0.0.0", "port": 0}}, environ={}))
     with spawn("--memory", "64MiB", env={"LMKV_SERVER__TOKEN": "correct-horse"}) as s:
         good = _tier(s.url, token="correct-horse")
-        keys, _, pages = _pages(layout, 1)
+        keys, _, pages = make_pages(layout, 1)
         assert good.put(pages, "engine") == [True]
         bad = _tier(s.url, token="wrong-token")
         with pytest.raises(RemoteError, match="authentication"):
@@ -195,7 +189,7 @@ def test_tls(tmp_path, layout):
     with spawn("--memory", "64MiB", env=env) as s:
         url = s.url.replace("lmkv://", "lmkvs://")
         t = _tier(url, tls_ca=str(cert), shm="never")
-        keys, payloads, pages = _pages(layout, 3)
+        keys, payloads, pages = make_pages(layout, 3)
         assert t.put(pages, "engine") == [True] * 3
         outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
         assert all(h is not None for h in t.get(keys, layout, outs))
@@ -211,7 +205,7 @@ def test_restart_over_disk_keeps_pages_and_clients_reconnect(tmp_path, layout):
     port = free_port()
     disk = str(tmp_path / "disk")
     t = _tier(f"lmkv://127.0.0.1:{port}", timeout=2, connect_timeout=0.5)
-    keys, payloads, pages = _pages(layout, 8)
+    keys, payloads, pages = make_pages(layout, 8)
     with spawn("--memory", "64MiB", "--disk", disk, port=port):
         assert t.put(pages, "engine") == [True] * 8
     # down: a miss, fast, and the tier knows it
@@ -232,7 +226,7 @@ def test_restart_over_disk_keeps_pages_and_clients_reconnect(tmp_path, layout):
 def test_memory_stays_within_its_bound(layout):
     with spawn("--memory", "4MiB") as s:
         t = _tier(s.url)
-        keys, payloads, pages = _pages(layout, 200)  # 12.5 MiB through a 4 MiB tier
+        keys, payloads, pages = make_pages(layout, 200)  # 12.5 MiB through a 4 MiB tier
         for i in range(0, 200, 20):
             t.put(pages[i : i + 20], "engine")
         stats = t.server_stats()["memory"]
@@ -257,7 +251,7 @@ def test_load_many_clients_nothing_lost_or_corrupt(server, layout):
 
 def test_store_shares_pages_through_the_server(server, layout):
     cfg = load_config({"remote": {"url": server.url}, "namespace": "store-test"}, environ={})
-    keys, payloads, _ = _pages(layout, 4)
+    keys, payloads, _ = make_pages(layout, 4)
     with TieredStore(cfg) as a:
         a.put(keys, [layout] * 4, payloads)
     with TieredStore(cfg) as b:
@@ -273,7 +267,7 @@ def test_server_in_process_survives_a_client_dying_mid_put(layout):
     s = _raw(srv.port)
     s.sendall(_hello())
     _reply(s)
-    keys, _, pages = _pages(layout, 2)
+    keys, _, pages = make_pages(layout, 2)
     s.sendall(frame(Op.PUT, encode({"headers": [h.pack() for h, _ in pages], "domain": "engine"}),
                     2 * layout.payload_bytes) + b"x" * 1000)
     s.close()  # gone mid-bulk: the reserved slots must be released
@@ -291,7 +285,7 @@ def test_prometheus_endpoint(layout):
     mport = free_port()
     with spawn("--memory", "64MiB", "--metrics-port", str(mport)) as s:
         t = _tier(s.url)
-        keys, _, pages = _pages(layout, 3)
+        keys, _, pages = make_pages(layout, 3)
         t.put(pages, "engine")
         t.get(keys, layout, [np.zeros(layout.payload_bytes, np.uint8) for _ in keys])
         body = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
@@ -304,7 +298,7 @@ def test_a_busy_pool_is_a_miss_not_an_outage(server, layout):
     from lmkv.errors import TierBusyError
 
     t = _tier(server.url, max_connections=1, timeout=0.3)
-    keys, _, pages = _pages(layout, 1)
+    keys, _, pages = make_pages(layout, 1)
     t.put(pages, "engine")
     with t._conn():  # the only connection is taken
         with pytest.raises(TierBusyError):

@@ -28,10 +28,8 @@ from lmkv.config import ConfigError, RemoteConfig
 from lmkv.errors import PageError, PageFormatError, TierUnavailableError
 from lmkv.layout import GroupLayout
 from lmkv.page import (
-    FIXED_BYTES,
     PageHeader,
     as_bytes_view,
-    num_units,
     unpack_header,
     units_in_ranges,
     verify_payload,
@@ -40,11 +38,6 @@ from lmkv.page import (
 from lmkv.tiers.base import Range, Tier, WriteSession
 
 log = logging.getLogger(__name__)
-
-
-def header_bytes(layout: GroupLayout) -> int:
-    """Length of a packed (unpadded) header of this layout: where the payload starts remotely."""
-    return FIXED_BYTES + 8 * num_units(layout)
 
 
 class Health:
@@ -62,7 +55,6 @@ class Health:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.outages = 0
 
     @property
     def up(self) -> bool:
@@ -78,7 +70,6 @@ class Health:
             if self._down_since is not None or self._stop.is_set():
                 return
             self._down_since = time.time()
-            self.outages += 1
             log.warning("lmkv: %s tier unreachable (%s); serving without it, reconnecting in the background", self.name, err)
             self._thread = threading.Thread(target=self._reconnect, name=f"lmkv-{self.name}-reconnect", daemon=True)
             self._thread.start()
