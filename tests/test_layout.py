@@ -39,7 +39,7 @@ def test_sharded_mamba_every_rank_writes(mamba_layout):
 @pytest.mark.parametrize("bad", [
     dict(num_layers=0), dict(segments=()), dict(segments=(Segment("k", 0),)),
     dict(segments=(Segment("k", 4), Segment("k", 4))), dict(tokens_per_page=0),
-    dict(tp_size=2, tp_rank=2), dict(tp_size=4, tp_replicas=3), dict(kind=StateKind.SLIDING_WINDOW),
+    dict(tp_size=2, tp_rank=2), dict(tp_size=4, tp_replicas=3), dict(kind=StateKind.SLIDING_WINDOW, sliding_window=0),
 ])
 def test_invalid_layouts_are_rejected(bad):
     base = dict(name="g", kind=StateKind.FULL_ATTENTION, num_layers=2, segments=(Segment("kv", 64),),

@@ -1,0 +1,268 @@
+"""lmkv as an SGLang HiCache storage backend (L3 beneath SGLang's host pools).
+
+Loaded with SGLang's ``dynamic`` backend::
+
+    --enable-hierarchical-cache --hicache-mem-layout page_first_direct
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "lmkv",
+        "module_path": "lmkv.connectors.sglang", "class_name": "LMKVHiCacheStorage",
+        "interface_v1": 1, "disk": {"path": "/var/cache/lmkv"}, "remote": {"url": "lmkv://host:7420"}}'
+
+Every key other than SGLang's own (``backend_name``, ``module_path``,
+``class_name``, ``interface_v1``) is lmkv configuration, validated like the vLLM
+connector's. ``interface_v1`` makes SGLang call the zero-copy methods
+(``batch_get_v1``/``batch_set_v1``): pages move between SGLang's host pool and
+lmkv's tiers without the flat-page copy of the generic path. Sidecar pools
+(Mamba state, sliding-window KV) go through the v2 methods.
+
+SGLang's page hashes (already chained over the prefix and its namespace seed)
+become lmkv chain hashes under the model's :class:`~lmkv.keys.KeySpace`; each
+pool's descriptor (:mod:`lmkv.connectors.sglang_pools`) then binds them to its
+bytes and shard. Nothing here raises into SGLang's I/O threads: a failed page
+is ``False`` (SGLang recomputes from there), a failed query is a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import xxhash
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from lmkv.config import load_config
+from lmkv.errors import LMKVError, TierFullError
+from lmkv.keys import KeySpace, page_key
+from lmkv.runtime import acquire_store, release_store
+
+from .sglang_pools import PoolPages, describe_pool
+
+log = logging.getLogger(__name__)
+
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+KV = "kv"
+
+
+def _model_id(cfg_model: str | None, sc: HiCacheStorageConfig) -> str:
+    """The model identity keys carry, qualified by what splits layers or tokens across ranks."""
+    model = cfg_model or sc.model_name or "sglang-model"
+    if sc.pp_size > 1:  # each pipeline stage holds other layers under the same page hash
+        model += f"|pp{sc.pp_rank}/{sc.pp_size}"
+    if sc.attn_cp_size > 1:
+        model += f"|cp{sc.attn_cp_rank}/{sc.attn_cp_size}"
+    return model
+
+
+class LMKVHiCacheStorage(HiCacheStorage):
+    """HiCache L3 over lmkv's tiered store (memory, disk, ``lmkv serve``, Redis)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
+        extra = {k: v for k, v in (storage_config.extra_config or {}).items() if k not in SGLANG_KEYS}
+        self.cfg = load_config(extra)
+        self.storage_config = storage_config
+        self.space = KeySpace(_model_id(self.cfg.model_id, storage_config), self.cfg.namespace)
+        self._scope = f"sglang:{os.getpid()}:{id(self)}"
+        self.store = acquire_store(self._scope, self.cfg)
+        self._host_pools: dict[str, object] = {}
+        self._pages: dict[str, PoolPages] = {}
+        self._lock = threading.Lock()
+
+    # -- registration --------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._host_pools.setdefault(KV, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._host_pools[str(getattr(host_pool_name, "value", host_pool_name))] = host_pool
+
+    def on_host_pools_registered(self) -> None:
+        """Derive every pool's descriptor now, so an unsupported pool fails the attach, not a transfer."""
+        for name in self._host_pools:
+            log.info("lmkv: SGLang pool %s", self.pool(name).layout.describe())
+
+    def pool(self, name: str) -> PoolPages:
+        """The descriptor of a registered pool (built on first use)."""
+        with self._lock:
+            pages = self._pages.get(name)
+            if pages is None:
+                if name not in self._host_pools:
+                    raise KeyError(f"no SGLang host pool {name!r} registered (have {sorted(self._host_pools)})")
+                kv = self._host_pools.get(KV)
+                sc = self.storage_config
+                pages = describe_pool(
+                    self._host_pools[name], name,
+                    tokens_per_page=getattr(kv, "page_size", None) or self._host_pools[name].page_size,
+                    tp_size=sc.tp_size, tp_rank=sc.tp_rank,
+                    # MLA latents (and SWA KV of an MLA model) are the same on every rank; Mamba never is
+                    replicated=sc.is_mla_model and name != "mamba")
+                self._pages[name] = pages
+            return pages
+
+    def keys_for(self, name: str, keys: Sequence[str]) -> list[bytes]:
+        layout = self.pool(name).layout
+        root = self.space.root
+        return [page_key(xxhash.xxh3_128_digest(root + k.encode()), layout) for k in keys]
+
+    # -- queries ---------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        try:
+            return self.store.lookup(self.keys_for(KV, keys)).pages
+        except (LMKVError, OSError, KeyError) as err:
+            log.warning("lmkv: existence query failed, answering a miss: %s", err)
+            return 0
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """KV: the longest stored prefix. A sidecar restricts the restorable prefix lengths:
+        ``all_pages`` needs its page at every position, ``trailing_pages`` only the last
+        ``len(transfer.keys)`` pages before a prefix end (a Mamba state, an SWA window)."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        hits: dict[str, int] = {KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+            name = str(getattr(transfer.name, "value", transfer.name))
+            try:
+                have = self.store.contains(self.keys_for(name, keys[:kv_pages]))
+            except (LMKVError, OSError, KeyError) as err:
+                log.warning("lmkv: %s existence query failed, answering a miss: %s", name, err)
+                have = [False] * kv_pages
+            if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(transfer.keys or ()))
+                ok = {n for n in restorable if all(have[max(0, n - window):n])}
+            else:
+                first_gap = next((i for i, h in enumerate(have) if not h), kv_pages)
+                ok = set(range(1, first_gap + 1))
+            if ok:
+                hits[name] = max(ok)
+            restorable &= ok
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+
+    # -- zero-copy transfers ---------------------------------------------------
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._load(KV, keys, host_indices)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self._save(KV, keys, host_indices)
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return {t.name: self._load(str(getattr(t.name, "value", t.name)), t.keys or [], t.host_indices)
+                for t in transfers}
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return {t.name: self._save(str(getattr(t.name, "value", t.name)), t.keys or [], t.host_indices)
+                for t in transfers}
+
+    def _load(self, name: str, keys: Sequence[str], host_indices) -> list[bool]:
+        parts_of = self._host_parts(name, keys, host_indices)
+        return self._read(name, keys, parts_of) if parts_of else [False] * len(keys)
+
+    def _save(self, name: str, keys: Sequence[str], host_indices) -> list[bool]:
+        parts_of = self._host_parts(name, keys, host_indices)
+        return self._write(name, keys, parts_of) if parts_of else [False] * len(keys)
+
+    def _host_parts(self, name: str, keys: Sequence[str], host_indices) -> Callable[[int], list] | None:
+        """Key i -> its page's segment views in the host pool; None when the transfer is unusable."""
+        try:
+            pages = self.pool(name)
+        except (KeyError, NotImplementedError) as err:
+            log.error("lmkv: %s", err)
+            return None
+        if host_indices is None or host_indices.numel() != len(keys) * pages.slots_per_page:
+            log.error("lmkv: pool %s: %d keys but %s host indices (%d per key expected)", name, len(keys),
+                      None if host_indices is None else host_indices.numel(), pages.slots_per_page)
+            return None
+        host = [pages.page_of(int(i)) for i in host_indices[:: pages.slots_per_page].tolist()]
+        return lambda i: pages.segments(pages.page_slice(host[i]))
+
+    def _read(self, name: str, keys: Sequence[str], parts_of: Callable[[int], list[torch.Tensor]]) -> list[bool]:
+        """Pages from lmkv into SGLang's memory (``parts_of(i)``: key i's segment views);
+        per key, whether it landed (checksums verified on the way)."""
+        try:
+            pages = self.pool(name)
+            with self.store.fetch(self.keys_for(name, keys), pages.layout) as got:
+                done = []
+                for i, (view, header) in enumerate(zip(got.views, got.headers)):
+                    ok = header is not None and view is not None
+                    if ok:
+                        pages.scatter(view, parts_of(i))
+                    done.append(ok)
+                return done
+        except (LMKVError, OSError, KeyError, NotImplementedError) as err:
+            log.warning("lmkv: load of %d %s pages failed; SGLang recomputes them: %s", len(keys), name, err)
+            return [False] * len(keys)
+
+    def _write(self, name: str, keys: Sequence[str], parts_of: Callable[[int], list[torch.Tensor]]) -> list[bool]:
+        """SGLang's pages into lmkv, in one session (pages lmkv already holds are not copied again)."""
+        try:
+            pages = self.pool(name)
+            if not pages.layout.is_writer:
+                return [True] * len(keys)  # another rank of the replica set writes these bytes
+            lkeys = self.keys_for(name, keys)
+            have = self.store.contains(lkeys)
+            todo = [i for i, h in enumerate(have) if not h]
+            if todo:
+                with self.store.open_session([lkeys[i] for i in todo], [pages.layout] * len(todo)) as session:
+                    for j, i in enumerate(todo):
+                        pages.gather(parts_of(i), session.buffer(j))
+                    for i, ok in zip(todo, session.commit()):
+                        have[i] = ok
+            return list(have)
+        except TierFullError as err:
+            log.warning("lmkv: no room for %d %s pages: %s", len(keys), name, err)
+        except (LMKVError, OSError, KeyError, NotImplementedError) as err:
+            log.warning("lmkv: store of %d %s pages failed: %s", len(keys), name, err)
+        return [False] * len(keys)
+
+    # -- the generic (flat page) path, used when interface_v1 is off -------------
+
+    def _flat_parts(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        pages = self.pool(KV)
+        return pages.segments(flat.view(pages.flat_shape()))
+
+    def get(self, key: str, target_location=None, target_sizes=None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations=None, target_sizes=None) -> list[torch.Tensor | None]:
+        done = self._read(KV, keys, lambda i: self._flat_parts(target_locations[i]))
+        return [t if ok else None for t, ok in zip(target_locations, done)]
+
+    def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None) -> bool:
+        return all(self._write(KV, keys, lambda i: self._flat_parts(values[i])))
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def clear(self) -> None:
+        """``POST /hicache/storage-backend/clear``: drop this engine's residency (other owners keep theirs)."""
+        self.store.clear()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store = None  # type: ignore[assignment]
+            release_store(self._scope)
