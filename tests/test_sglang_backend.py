@@ -338,3 +338,23 @@ def test_bad_config_is_a_clear_error(tmp_path):
 
     with pytest.raises(ConfigError, match="store.write_polcy: unknown setting"):
         backend(tmp_path, disk=False, store={"write_polcy": "write_back"})
+
+
+def test_the_launch_examples_backend_config_works(tmp_path):
+    """examples/sglang_serve.sh's extra config, as SGLang's factory would receive it."""
+    import json
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "examples" / "sglang_serve.sh").read_text()
+    extra = json.loads(re.search(r"--hicache-storage-backend-extra-config '(\{.*?\})'", text, re.S).group(1))
+    assert "--hicache-mem-layout page_first_direct" in text
+    extra["disk"]["path"] = str(tmp_path / "disk")
+    extra["memory"]["capacity"] = "16MiB"
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=False, model_name="org/tiny", extra_config=extra)
+    b = attach(StorageBackendFactory.create_backend("dynamic", cfg, None), kv=mha_host("page_first_direct"))
+    assert type(inner(b)).__name__ == "LMKVHiCacheStorage"
+    assert b.batch_set_v1(page_hashes(1), torch.arange(P)) == [True]
+    b.close()
