@@ -218,3 +218,31 @@ def test_writer_killed_mid_page_leaves_nothing_visible(tmp_path):
     assert len(t) == 0 and not t.contains([bytes(16)])[0]
     assert not list((tmp_path / "tmp").iterdir())
     assert not list((tmp_path / "d").rglob("*.page"))
+
+
+def test_cached_pages_are_read_inline_and_uncached_ones_on_io_threads(tmp_path, layout):
+    """Buffered reads: what the OS page cache holds is copied in the caller's thread; pages it
+    dropped are read in parallel on the I/O threads. Both come back whole and verified."""
+    import os
+
+    from conftest import make_pages
+
+    t = _tier(tmp_path, io="buffered")
+    keys, payloads, pages = make_pages(layout, 6)
+    t.put(pages, "w0")
+    handed = []
+    real_map = t._io.map
+    t._io.map = lambda fn, items: (handed.extend(items := list(items)), real_map(fn, items))[1]
+    outs = [np.zeros_like(p) for p in payloads]
+    assert all(h is not None for h in t.get(keys, layout, outs)) and handed == []
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    for k in keys[3:]:  # drop these pages from the page cache (they were fsynced: clean)
+        (f,) = _files(t, k)
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    outs = [np.zeros_like(p) for p in payloads]
+    assert all(h is not None for h in t.get(keys, layout, outs))
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    assert handed == [3, 4, 5]  # only the dropped pages went to the threads
+    assert t.stats.hits == 12 and t.stats.misses == 0
