@@ -168,3 +168,53 @@ def test_concurrent_puts_and_gets(layout):
         th.join()
     assert not errors and t.stats.corrupt == 0
     assert len(t) == 16 and t.used_bytes == 16 * layout.payload_bytes
+
+
+def _resident_fraction(buf) -> float:
+    """Fraction of a buffer's OS pages that are mapped in (mincore)."""
+    import ctypes
+    import mmap as _mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    n = (len(buf) + _mmap.PAGESIZE - 1) // _mmap.PAGESIZE
+    vec = ctypes.create_string_buffer(n)
+    assert libc.mincore(buf.ctypes.data, len(buf), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) / n
+
+
+def _wait_populated(arena, timeout=10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while arena._populator is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_arena_is_mapped_ahead_of_use_without_touching_its_contents():
+    from lmkv.arena import HostArena
+
+    a = HostArena(64 << 20, pin="never")
+    assert _resident_fraction(a.buf) < 0.1  # fresh: nothing mapped yet
+    a.buf[5 << 20 : (5 << 20) + 4096] = 7  # a slot written before and while the arena is populated
+    a.populate(32 << 20)
+    a.buf[40 << 20 : (40 << 20) + 4096] = 9
+    _wait_populated(a)
+    assert _resident_fraction(a.buf[: 32 << 20]) == 1.0
+    assert (a.buf[5 << 20 : (5 << 20) + 4096] == 7).all() and (a.buf[40 << 20 : (40 << 20) + 4096] == 9).all()
+    assert not a.buf[: 5 << 20].any()
+
+
+def test_memory_tier_maps_ahead_of_the_slots_it_hands_out(layout):
+    from lmkv.config import MemoryConfig
+    from lmkv.tiers.memory import POPULATE_AHEAD, MemoryTier
+
+    from conftest import make_pages
+
+    t = MemoryTier(MemoryConfig(capacity=POPULATE_AHEAD * 2))
+    _, _, pages = make_pages(layout, 2)
+    t.put(pages, "w0")
+    _wait_populated(t._arena)
+    assert t._arena.populate_target >= POPULATE_AHEAD
+    assert _resident_fraction(t._arena.buf[:POPULATE_AHEAD]) == 1.0
+    assert _resident_fraction(t._arena.buf[POPULATE_AHEAD + (8 << 20):]) < 0.5  # not the whole arena

@@ -67,6 +67,7 @@ class Lease:
 
 #: slabs a small arena is cut into at least (slabs never shrink below 1 MiB)
 MIN_SLABS = 8
+POPULATE_AHEAD = 128 << 20  # the arena is mapped this far beyond the highest slot handed out (see arena.py)
 
 
 class MemoryTier(LocalTier):
@@ -133,6 +134,8 @@ class MemoryTier(LocalTier):
                 off = self._alloc.alloc(nbytes)
                 if off is not None:
                     self._used += nbytes
+                    if off + nbytes + POPULATE_AHEAD > self._arena.populate_target:
+                        self._arena.populate(off + nbytes + POPULATE_AHEAD)
                     return off
                 victim = self._take_victim(nbytes)
                 if victim is None:
