@@ -3,8 +3,8 @@
 Hashes are vLLM's ``BlockHashWithGroupId`` bytes (block hash + 4-byte group id), so one
 pool shared by several cache groups is read as one queue. A protected block is
 ``touch``-ed (its ref count holds it out of the free queue, the way a prefix hit
-does); released, it goes back to the *head* of the queue: its bytes are in lmkv
-now, so it is the cheapest block to reuse.
+does); released, it goes back to the head of the queue if it was due (its bytes
+are in lmkv now, so it is the cheapest block to reuse) or to the tail otherwise.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ class VllmFreeQueue:
     def protect(self, block_ids: Sequence[int]) -> None:
         self.pool.touch([self.pool.blocks[i] for i in block_ids])
 
-    def release(self, block_ids: Sequence[int]) -> None:
+    def release(self, block_ids: Sequence[int], first: bool) -> None:
         queue = self.pool.free_block_queue
         back = []
         for i in block_ids:
             b = self.pool.blocks[i]
             b.ref_cnt -= 1
-            if b.ref_cnt == 0:
+            if b.ref_cnt == 0:  # a block a request still holds stays out of the queue
                 back.append(b)
         if back:
-            queue.prepend_n(back)
+            (queue.prepend_n if first else queue.append_n)(back)

@@ -113,12 +113,17 @@ class OffloadConfig(_Section):
     ema_alpha: float = Field(0.2, gt=0, le=1, description="lazy: weight of the last step in the allocation rate")
     watermark_blocks: int = Field(16, ge=0, description="lazy: blocks always in the danger zone")
     drain_bytes_per_step: ByteSize = Field(ByteSize(256 << 20), description="lazy: most bytes planned per step")
+    link_bytes_per_step: ByteSize | None = Field(
+        None, description="lazy: the copy link's capacity per step, where it is the bottleneck (it then "
+        "replaces drain_bytes_per_step): what the danger zone leaves of it goes to early copies of freshly "
+        "computed blocks, oldest first, skipping one-shot families, so the link is never idle while "
+        "blocks wait (unset: only blocks about to be reused are copied)")
     chain_memory: int = Field(1 << 20, ge=1024, description="lazy: block links remembered for prefix closure")
     min_family_requests: int = Field(
-        8, ge=1, description="lazy: requests of a family (same first page) seen before judging its reuse")
+        16, ge=1, description="lazy: requests of a family (same first page) seen before judging its reuse")
     min_reuse_rate: float = Field(
-        0.1, ge=0, le=1, description="lazy: a family whose requests are mostly served from cache less often "
-        "than this is not copied (one-shot prompts)")
+        0.1, ge=0, le=1, description="lazy: a family whose requests repeat most of an earlier prompt less "
+        "often than this is not copied (one-shot prompts)")
 
 
 class RemoteConfig(_Section):

@@ -23,8 +23,10 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
   cap the blocks most likely to be asked for again go first;
 - **families**: requests that start with the same page (one application's system
   prompt) behave alike. A family whose requests, after ``min_family_requests`` of
-  them, almost never find most of their prompt cached (a stream of one-shot
-  prompts) has its blocks skipped: copying them would be wasted.
+  them, almost never repeat most of an earlier prompt (a stream of one-shot
+  prompts) has its blocks skipped: copying them would be wasted. Repetition is
+  judged on what was seen, not on what was served from cache, so skipping copies
+  can never make a family look one-shot.
 
 Only the danger zone is walked each step (O(depth), not O(blocks)). The engine side
 is the :class:`FreeQueue` protocol; :mod:`lmkv.connectors.vllm_pool` implements it on
@@ -34,7 +36,7 @@ vLLM's ``BlockPool``.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -56,7 +58,9 @@ class FreeQueue(Protocol):
     def protect(self, block_ids: Sequence[int]) -> None:
         """Keep these blocks from being reused until :meth:`release`."""
 
-    def release(self, block_ids: Sequence[int]) -> None: ...
+    def release(self, block_ids: Sequence[int], first: bool) -> None:
+        """Let these blocks be reused again, in this order; ``first``: before every other free block
+        (their bytes are in lmkv now), else after them (as if freed just now)."""
 
 
 #: how much further ahead the policy looks when its drain cap is always binding
@@ -69,6 +73,7 @@ class Pick:
 
     block_id: int
     block_hash: bytes
+    due: bool = True  # was about to be reused (not a lookahead pick, an ancestor, or an early copy)
 
 
 @dataclass
@@ -77,6 +82,7 @@ class LazyStats:
     closure_added: int = 0
     unreachable: int = 0
     capped_steps: int = 0
+    filled: int = 0  # early copies of fresh blocks in steps the zone left link time idle
 
 
 class LazyOffload:
@@ -84,7 +90,9 @@ class LazyOffload:
 
     def __init__(self, cfg: OffloadConfig, page_bytes: int, in_tier: Callable[[bytes], bool]) -> None:
         self.cfg = cfg
-        self.drain_bytes = int(cfg.drain_bytes_per_step)
+        #: a declared link budget: keep the link busy with early copies (see OffloadConfig)
+        self.link_bound = cfg.link_bytes_per_step is not None
+        self.drain_bytes = int(cfg.link_bytes_per_step if self.link_bound else cfg.drain_bytes_per_step)
         self.page_bytes = page_bytes
         self.in_tier = in_tier
         self.alloc_ema = 0.0
@@ -93,15 +101,18 @@ class LazyOffload:
         self._parent: OrderedDict[bytes, bytes | None] = OrderedDict()
         self._uses: dict[bytes, int] = {}
         self._root: dict[bytes, bytes] = {}  # block -> the first page of its chain (its family)
-        self._families: dict[bytes, list[int]] = {}  # first page -> [requests, requests mostly served from cache]
+        self._families: dict[bytes, list[int]] = {}  # first page -> [requests, requests mostly seen before]
+        self._fresh: deque[bytes] = deque(maxlen=cfg.chain_memory)  # computed blocks, oldest first
         self.stats = LazyStats()
 
     # -- what the engine tells the policy ---------------------------------------
 
     def note_chain(self, hashes: Sequence[bytes], used: bool = True) -> None:
-        """A request's chain of block hashes, first page first: parent links, and (``used``) one more
-        use of each block's prefix."""
+        """A request's chain of block hashes, first page first: parent links, and (``used``: a request
+        was admitted with it) one more use of each block's prefix, and whether the request repeats
+        what its family has seen (most of its pages were seen before, cached or not)."""
         prev: bytes | None = None
+        seen = 0
         cap = self.cfg.chain_memory
         root = hashes[0] if hashes else None
         for h in hashes:
@@ -115,17 +126,20 @@ class LazyOffload:
                     self._uses.pop(old, None)
                     self._root.pop(old, None)
             if used:
+                seen += h in self._uses
                 self._uses[h] = self._uses.get(h, 0) + 1
             prev = h
+        if used and root is not None:
+            fam = self._families.setdefault(root, [0, 0])
+            fam[0] += 1
+            fam[1] += seen >= 0.5 * len(hashes)
 
-    def note_request(self, first_page: bytes, cached_fraction: float) -> None:
-        """A request of the family ``first_page`` was admitted with this fraction of its pages cached."""
-        fam = self._families.setdefault(first_page, [0, 0])
-        fam[0] += 1
-        fam[1] += cached_fraction >= 0.5
+    def note_computed(self, hashes: Sequence[bytes]) -> None:
+        """Blocks the engine just computed (candidates for early copies when the link is the bottleneck)."""
+        self._fresh.extend(hashes)
 
     def _one_shot(self, h: bytes) -> bool:
-        """Whether ``h`` belongs to a family whose requests are almost never served from cache."""
+        """Whether ``h`` belongs to a family whose requests almost never repeat what came before."""
         fam = self._families.get(self._root.get(h, b""))
         return (fam is not None and fam[0] >= self.cfg.min_family_requests
                 and fam[1] < self.cfg.min_reuse_rate * fam[0])
@@ -158,17 +172,23 @@ class LazyOffload:
         """The copies to start this step (their blocks are protected until :meth:`done`)."""
         budget = max(1, self.drain_bytes // self.page_bytes)
         # When the cap has been binding, look further ahead: copies must start earlier to finish in time.
-        depth = int(self.danger_depth(next_demand) * (1 + LOOKAHEAD_GAIN * self._binding))
+        due_depth = self.danger_depth(next_demand)
+        depth = int(due_depth * (1 + LOOKAHEAD_GAIN * self._binding))
         zone: list[bytes] = []
+        due: set[bytes] = set()  # in the danger zone proper (not only in the lookahead)
         for i, (_, h) in enumerate(pool.iter_free()):
             if i >= depth:
                 break
             if h is not None and not self.in_tier(h) and h not in self.inflight and not self._one_shot(h):
                 zone.append(h)
+                if i < due_depth:
+                    due.add(h)
         # most-used prefixes first; ties keep eviction order (sorted is stable)
         zone.sort(key=lambda h: -self._uses.get(h, 1))
         picks: list[Pick] = []
         chosen: set[bytes] = set()
+        if self.link_bound:
+            self._fill(pool, picks, chosen, budget)
         for h in zone:
             if h in chosen:
                 continue
@@ -177,12 +197,15 @@ class LazyOffload:
                 self.stats.unreachable += 1
                 continue
             room = budget - len(picks)
+            if room <= 0:
+                self.stats.capped_steps += 1
+                break
             if len(chain) > room:  # the chain's oldest pages first: a prefix is useful on its own
                 chain = chain[:room]
                 self.stats.capped_steps += 1
             self.stats.closure_added += max(0, len(chain) - 1)
             for bid, ch in chain:
-                picks.append(Pick(bid, ch))
+                picks.append(Pick(bid, ch, due=ch in due))
                 chosen.add(ch)
             if len(picks) >= budget:
                 break
@@ -194,8 +217,27 @@ class LazyOffload:
             self.stats.planned += len(picks)
         return picks
 
+    def _fill(self, pool: FreeQueue, picks: list[Pick], chosen: set[bytes], budget: int) -> None:
+        """The link is the bottleneck: the budget the danger zone leaves this step goes to the oldest
+        freshly computed blocks, as eager would copy them, skipping one-shot families; copies made
+        now are blocks the zone will not have to rush later."""
+        while self._fresh and len(picks) < budget:
+            h = self._fresh.popleft()
+            if self.in_tier(h) or h in self.inflight or h in chosen or self._one_shot(h):
+                continue
+            bid = pool.cached_block(h)
+            if bid is None:
+                continue  # gone from the engine: nothing to copy
+            picks.append(Pick(bid, h, due=False))
+            chosen.add(h)
+            self.stats.filled += 1
+
     def done(self, picks: Sequence[Pick], pool: FreeQueue) -> None:
         """The copies of ``picks`` finished (or failed): their blocks may be reused again."""
         for p in picks:
             self.inflight.pop(p.block_hash, None)
-        pool.release([p.block_id for p in picks])
+        # Deepest pages first, like an engine freeing a request: a chain's first page, which every
+        # later one needs for a prefix hit in the engine, is reused last. Blocks that were due go
+        # first in line; ancestors and early copies were not near eviction and go back behind.
+        pool.release([p.block_id for p in reversed(picks) if p.due], first=True)
+        pool.release([p.block_id for p in reversed(picks) if not p.due], first=False)

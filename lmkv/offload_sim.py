@@ -185,7 +185,7 @@ class _Run:
             req.num_computed_tokens = n
             if self.lazy is not None and hashes:
                 self.lazy.note_chain(hashes)
-                self.lazy.note_request(hashes[0], (hbm_tokens // bs + tier_blocks) / len(hashes))
+                self.lazy.note_computed(hashes[hbm_tokens // bs + tier_blocks:])
             if self.policy == "eager":
                 first = hbm_tokens // bs + tier_blocks
                 self.pending.extend(h for h in (self.key(x) for x in req.block_hashes[first : n // bs])
@@ -232,10 +232,12 @@ class _Run:
                 continue
             req.num_computed_tokens += 1
             self.res.computed_tokens += 1
-            if req.num_computed_tokens % bs == 0 and self.policy == "eager":
+            if req.num_computed_tokens % bs == 0:
                 h = self.key(req.block_hashes[req.num_computed_tokens // bs - 1])
-                if h not in self.tier:
+                if self.policy == "eager" and h not in self.tier:
                     self.pending.append(h)
+                elif self.lazy is not None:
+                    self.lazy.note_computed([h])
             self.sample(req, step)
 
     # -- copies ----------------------------------------------------------------
@@ -270,8 +272,9 @@ class _Run:
             self.lazy.done(self.inflight, self.queue)
             self.lazy.note_step(self.allocated)
             self.allocated = 0
-            if cap is not None:
+            if cap is not None:  # the simulated link is declared to the policy
                 self.lazy.drain_bytes = cap * self.cfg.page_bytes
+                self.lazy.link_bound = True
             demand, tokens = 0, 0  # blocks the requests admitted next step will take
             for r in self.waiting:
                 tokens += r.num_tokens

@@ -287,8 +287,7 @@ class OffloadScheduler:
                 self._engine_pages[eks[p]] = (g, st.seq.chains[p])
                 self._engine_pages.move_to_end(eks[p])
             self.lazy.note_chain(eks, used=not st.noted)
-            if not st.noted and eks:
-                self.lazy.note_request(eks[0], st.hit_pages / max(1, len(block_hashes)))
+            self.lazy.note_computed(eks[st.stored_upto:n])
         st.noted = True
         while len(self._engine_pages) > self.lazy.cfg.chain_memory:
             self._engine_pages.popitem(last=False)

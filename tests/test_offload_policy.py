@@ -71,7 +71,8 @@ def test_only_the_danger_zone_is_planned_and_protected(engine):
     tier.update(x.block_hash for x in picks)
     p.done(picks, queue)
     assert mgr.block_pool.get_num_free_blocks() == len(chain)  # released to the head: cheapest to reuse
-    assert next(iter(queue.iter_free()))[1] in tier
+    # deepest page first, like an engine freeing a request: the chain's first page is reused last
+    assert [h for _, h in queue.iter_free()][: len(chain)] == chain[::-1]
 
 
 def test_prefix_closure_copies_cached_ancestors_and_skips_broken_chains(engine):
@@ -148,10 +149,37 @@ def test_one_shot_families_are_not_copied(engine):
     kept = finish("kept", list(range(900, 900 + 3 * BS)))
     p = _policy(set(), min_family_requests=3, min_reuse_rate=0.2)
     p.note_chain(once)
-    p.note_chain(kept)
-    for _ in range(3):
-        p.note_request(once[0], cached_fraction=0.05)  # never served from cache
-        p.note_request(kept[0], cached_fraction=0.9)
+    for i in range(2):  # more prompts of the same family (first page), never repeating the rest
+        p.note_chain([once[0], bytes([i]) * 36, bytes([i + 9]) * 36])
+    for _ in range(3):  # the same prompt again and again: a family that repeats (never served from
+        p.note_chain(kept)  # cache here, which must not count against it)
     p.note_step(200)
     picks = p.plan(queue)
     assert {x.block_hash for x in picks} == set(kept)
+
+
+def test_a_declared_link_is_kept_busy_with_early_copies_of_fresh_blocks(engine):
+    """With offload.link_bytes_per_step, link time the danger zone leaves goes to freshly computed
+    blocks, oldest first, one-shot families skipped; without it nothing is copied early."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    mgr, queue, finish = engine
+    running = make_request("run", list(range(500, 500 + 4 * BS)), 8, BS)  # still running: not in the free queue
+    blocks, hit, *_ = mgr.get_computed_blocks(running)
+    assert mgr.allocate_slots(running, 4 * BS - hit, hit, blocks) is not None
+    fresh = [make_block_hash_with_group_id(h, 0) for h in running.block_hashes]
+    idle = _policy(set())
+    idle.note_chain(fresh)
+    idle.note_computed(fresh)
+    assert idle.plan(queue) == []  # nothing is due: a lazy policy waits
+    tier: set = set()
+    busy = _policy(tier, link_bytes_per_step=3 << 20)  # three 1 MiB pages per step
+    busy.note_chain(fresh)
+    busy.note_computed(fresh)
+    picks = busy.plan(queue)
+    assert [x.block_hash for x in picks] == fresh[:3] and not any(x.due for x in picks)
+    assert all(mgr.block_pool.blocks[x.block_id].ref_cnt == 2 for x in picks)  # held by the request and the copy
+    tier.update(x.block_hash for x in picks)
+    busy.done(picks, queue)
+    assert all(mgr.block_pool.blocks[x.block_id].ref_cnt == 1 for x in picks)
+    assert [x.block_hash for x in busy.plan(queue)] == fresh[3:]

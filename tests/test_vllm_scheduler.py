@@ -369,11 +369,13 @@ def test_lazy_offload_copies_blocks_as_the_engine_is_about_to_reuse_them(model_c
             h.run(h.request(f"fill{i}", tokens(90, 10 + i), max_tokens=2))
         assert totals.stored_pages > 0
         pool = h.sched.kv_cache_manager.block_pool
-        assert h.sched.kv_cache_manager.get_computed_blocks(h.request("probe", tokens(70, 1)))[1] == 0
+        # its later pages left the engine's cache (the first ones may stay: a chain's start is reused last)
+        kept = h.sched.kv_cache_manager.get_computed_blocks(h.request("probe", tokens(70, 1)))[1] // 16
+        assert kept < 4
         again = h.request("again", tokens(70, 1), max_tokens=2)
         before = totals.loaded_pages
         h.run(again)
-        assert totals.loaded_pages - before == 4  # (70 - 1) // 16 full pages, from lmkv
+        assert totals.loaded_pages - before == 4 - kept  # the rest of (70 - 1) // 16 full pages, from lmkv
         h.check_kv(again, 64)
         assert pool.get_num_free_blocks() == 23  # every protected block was released
     finally:
