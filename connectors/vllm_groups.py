@@ -71,6 +71,11 @@ def group_layouts(kv_cache_config, tp_size: int, tp_rank: int) -> list[GroupLayo
         if kind is StateKind.MAMBA:
             replicas = tp_size if spec.tp_replicated else 1
             segments = _state_segments(spec)
+        elif kind is StateKind.MLA:
+            # one latent per token, not split by heads: every TP rank holds the same bytes (vLLM's
+            # own offloading writes pure-MLA KV from one rank, its `replicated_layout`)
+            replicas = tp_size
+            segments = (Segment("latent", spec.page_size_bytes),)
         else:
             replicas = getattr(kv_cache_config, "kv_tp_replicas", 1) or 1
             shards = getattr(spec, "max_tp_shards", None)

@@ -73,3 +73,26 @@ def test_vllm_replication_fields_decide_writers():
     assert m.tp_replicas == 1 and m.shard == 3 and m.is_writer  # a sharded state: every rank writes its own
     assert [s.nbytes for s in m.segments] == [3 * 32 * 2, 4 * 16 * 8 * 4]  # conv, then temporal state
     assert a.tokens_per_page == m.tokens_per_page == 16  # states keyed by attention page boundaries
+
+
+def test_vllm_mla_and_sliding_window_descriptors():
+    """An MLA latent is one segment and the same on every TP rank (one writer, one shared key);
+    a sliding-window group carries its window; both are per-token, prefix-addressable."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from lmkv.connectors.vllm_groups import group_layouts
+    from lmkv.layout import Growth
+
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128)
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["m0", "m1"], mla), KVCacheGroupSpec(["s0"], swa)])
+    for rank in (0, 1):
+        m, w = group_layouts(cfg, tp_size=2, tp_rank=rank)
+        assert m.kind is StateKind.MLA and [s.name for s in m.segments] == ["latent"]
+        assert m.segments[0].nbytes == 16 * 576 * 2 and m.num_layers == 2
+        assert m.shard is None and m.is_writer == (rank == 0)
+        assert w.kind is StateKind.SLIDING_WINDOW and w.sliding_window == 128 and w.shard == rank
+        assert m.growth is w.growth is Growth.PER_TOKEN
