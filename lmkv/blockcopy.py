@@ -48,6 +48,15 @@ class LayerBlocks:
             if np.may_share_memory(rows, arr) and rows.shape[1] == self.nbytes:
                 self.rows = rows
 
+    def units(self, block: int, segments: Sequence) -> list[np.ndarray]:
+        """A contiguous block's bytes cut into the layout's segments (each a page unit), in place."""
+        assert self.rows is not None
+        row, out, off = self.rows[block], [], 0
+        for seg in segments:
+            out.append(row[off : off + seg.nbytes])
+            off += seg.nbytes
+        return out
+
     def _page_view(self, page: np.ndarray, start: int) -> torch.Tensor:
         t = torch.from_numpy(page[start : start + self.nbytes])
         return t.view(self.tensor.dtype).view(self.tensor.shape[1:])

@@ -26,7 +26,7 @@ computing it is one pass over the payload, done once when the page is made.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,6 +190,25 @@ def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterab
                 f"key {header.key.hex()}: layer {layer} segment {layout.segments[seg].name!r} "
                 f"checksum mismatch"
             )
+
+
+def verify_unit_buffers(header: PageHeader, layout: GroupLayout, units: Sequence) -> None:
+    """Check a payload read into one buffer per unit (an engine's block rows), in unit order."""
+    if len(units) != header.num_units:
+        raise ShortReadError(f"{len(units)} unit buffers for a {header.num_units}-unit page")
+    for u, buf in enumerate(units):
+        if xxhash.xxh3_64_intdigest(buf) != header.unit_digest(u):
+            layer, seg = divmod(u, len(layout.segments))
+            raise ChecksumError(
+                f"key {header.key.hex()}: layer {layer} segment {layout.segments[seg].name!r} checksum mismatch"
+            )
+
+
+def copy_units(layout: GroupLayout, payload, units: Sequence) -> None:
+    """Copy a whole payload into one buffer per unit (the inverse of reading units in place)."""
+    src = np.frombuffer(as_bytes_view(payload), np.uint8)
+    for (start, end), dst in zip(layout.unit_ranges, units):
+        np.copyto(np.frombuffer(as_bytes_view(dst), np.uint8), src[start:end])
 
 
 def units_of_layers(layout: GroupLayout, layers: Iterable[int]) -> list[int]:

@@ -34,7 +34,7 @@ from lmkv.errors import LMKVError, TierFullError
 from lmkv.faults import FaultyTier
 from lmkv.layout import GroupLayout
 from lmkv.metrics import Metrics
-from lmkv.page import PageHeader, make_header
+from lmkv.page import PageHeader, copy_units, make_header
 from lmkv.tiers.base import Tier, WriteSession
 from lmkv.tiers.disk import DiskTier
 from lmkv.tiers.memory import MemoryTier
@@ -253,6 +253,47 @@ class TieredStore:
                 views[i] = b if h is not None else None
                 found[i] = h
             return Fetched(views, found, leases)
+
+    def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
+        """Pages straight into an engine's memory: ``units[i][u]`` receives page i's unit u (one
+        layer of one block). Memory pages are copied from the arena; a lower tier that reads in
+        place (a buffered disk tier: one read per page, checksums verified where the bytes land)
+        reads into them directly, without a stop in lmkv's memory (the OS page cache is the disk
+        tier's memory); pages of other tiers are fetched (and promoted) as :meth:`fetch` does.
+        ``None`` where a page failed: its buffers may then hold anything."""
+        with self.metrics.timed("get_units"):
+            results: list[PageHeader | None] = [None] * len(keys)
+            with self.memory.borrow(keys) as lease:
+                for i, (view, header) in enumerate(zip(lease.views, lease.headers)):
+                    if view is not None:
+                        copy_units(layout, view, units[i])
+                        results[i] = header
+            missing = [i for i, r in enumerate(results) if r is None]
+            if not missing or len(self.tiers) == 1:
+                return results
+            where = dict(zip(missing, locate([keys[i] for i in missing], self.tiers[1:])))
+            staged = []
+            for tier in self.tiers[1:]:
+                mine = [i for i in missing if where[i] == tier.name]
+                if not mine:
+                    continue
+                if not getattr(tier, "reads_in_place", False):
+                    staged.extend(mine)
+                    continue
+                try:
+                    got = tier.get_units([keys[i] for i in mine], layout, [units[i] for i in mine])
+                except (LMKVError, OSError) as err:
+                    _tier_failed(tier, "read", err)
+                    continue
+                for i, header in zip(mine, got):
+                    results[i] = header
+            if staged:
+                with self.fetch([keys[i] for i in staged], layout) as fetched:
+                    for i, view, header in zip(staged, fetched.views, fetched.headers):
+                        if view is not None and header is not None:
+                            copy_units(layout, view, units[i])
+                            results[i] = header
+            return results
 
     # -- writes ------------------------------------------------------------
 

@@ -201,15 +201,27 @@ class LayerwiseTransfer:
                 self._async[rid] = self.store.submit(self._load_in_background, ops)
 
     def _load_in_background(self, ops: list[PageOp]) -> bool:
-        """Fetch and copy every layer of a waiting request's pages; whether all of them loaded.
+        """Load every layer of a waiting request's pages; whether all of them loaded (a request
+        whose load fails is recomputed whole).
 
-        Pages are fetched in chunks, the next chunk's reads running while this chunk is copied
-        into the engine's blocks, so the request waits for roughly the reads alone. A request
-        whose load fails is recomputed whole.
+        Where the engine's blocks are plain rows of bytes (its CPU layout), pages are read straight
+        into them (:meth:`TieredStore.get_units`: from the arena, or from a buffered disk tier with
+        one read per page). Otherwise pages are fetched in chunks, the next chunk's reads running
+        while this chunk is copied into the blocks, so the request waits for roughly the reads alone.
         """
         ok = True
-        chunks = [(op, i) for op in ops for i in range(0, len(op.chains), LOAD_CHUNK_PAGES)]
-        keys = {id(op): self.keys(op) for op in ops}
+        staged = []
+        for op in ops:
+            layers = self.layers[op.group]
+            if all(layer.rows is not None and layer.nbytes == self.groups[op.group].layer_stride for layer in layers):
+                layout = self.groups[op.group]
+                units = [[u for layer in layers for u in layer.units(b, layout.segments)] for b in op.block_ids]
+                got = self.store.get_units(self.keys(op), layout, units)
+                ok = self._landed(op, 0, [h is not None for h in got]) and ok
+            else:
+                staged.append(op)
+        chunks = [(op, i) for op in staged for i in range(0, len(op.chains), LOAD_CHUNK_PAGES)]
+        keys = {id(op): self.keys(op) for op in staged}
 
         def fetch(k: int) -> Future:
             op, i = chunks[k]
@@ -238,15 +250,21 @@ class LayerwiseTransfer:
         with fetched:
             good = [(b, as_bytes_array(v))
                     for b, v in zip(op.block_ids[i : i + LOAD_CHUNK_PAGES], fetched.views) if v is not None]
-            failed = [c for c, v in zip(op.chains[i : i + LOAD_CHUNK_PAGES], fetched.views) if v is None]
-            if failed:
-                with self._failed_lock:
-                    self._failed_chains.extend(failed)
             blocks, pages = [b for b, _ in good], [p for _, p in good]
             for layer in range(layout.num_layers):
                 self.layers[op.group][layer].scatter(blocks, pages, layout.layer_range(layer)[0])
-        self.stats.add(layout.name, loaded_pages=len(good), failed_pages=len(failed),
-                       loaded_bytes=len(good) * layout.payload_bytes)
+            return self._landed(op, i, [v is not None for v in fetched.views])
+
+    def _landed(self, op: PageOp, first: int, ok: list[bool]) -> bool:
+        """Account for pages ``first..`` of a background load; whether all of them loaded."""
+        layout = self.groups[op.group]
+        failed = [c for c, good in zip(op.chains[first:], ok) if not good]
+        if failed:
+            with self._failed_lock:
+                self._failed_chains.extend(failed)
+        loaded = len(ok) - len(failed)
+        self.stats.add(layout.name, loaded_pages=loaded, failed_pages=len(failed),
+                       loaded_bytes=loaded * layout.payload_bytes)
         return not failed
 
     def transfer_results(self, idle: bool = False) -> tuple[set[str], set[str]]:

@@ -206,3 +206,60 @@ def test_fetch_without_promotion_reads_into_its_own_buffers(tmp_path, layout):
         with st.fetch(keys, layout) as f:
             assert all((v == p).all() for v, p in zip(f.views, payloads))
         assert st.memory.contains(keys) == [False, False] and st.memory.used_bytes == 0
+
+
+def _unit_buffers(layout, n):
+    """One buffer per unit of each of n pages, spread over a larger block of memory like an engine's rows."""
+    rows = np.zeros((n, layout.num_layers, layout.layer_stride + 64), np.uint8)
+    bounds = [(layout.segment_offset(s), layout.segment_offset(s) + seg.nbytes) for s, seg in enumerate(layout.segments)]
+    return rows, [[rows[i, lay, a:b] for lay in range(layout.num_layers) for a, b in bounds] for i in range(n)]
+
+
+def _joined(units):
+    return np.concatenate(units)
+
+
+@pytest.mark.parametrize("io", ["buffered", "direct"])
+def test_get_units_reads_pages_into_engine_buffers_from_every_tier(tmp_path, layout, io):
+    """Memory pages are copied from the arena, buffered disk pages read in place without a stop in
+    memory; O_DIRECT disk pages are staged (and promoted); a corrupt page is None and dropped."""
+    from lmkv.tiers.disk import probe_direct_io
+
+    if io == "direct" and not probe_direct_io(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    cfg = {"memory": {"capacity": 8 * layout.payload_bytes, "slab_size": layout.payload_bytes},
+           "disk": {"path": str(tmp_path / "disk"), "io": io}, "store": {"write_policy": "write_through"}}
+    with TieredStore(load_config(cfg, environ={})) as st:
+        keys = _prefix_keys(layout, 4)
+        payloads = [random_payload(layout, i) for i in range(4)]
+        st.put(keys, [layout] * 4, payloads)
+        st.drain()
+        st.memory.delete(keys[2:])  # pages 2 and 3 only on disk
+        (f,) = list((tmp_path / "disk").rglob(keys[3].hex() + ".page"))
+        data = bytearray(f.read_bytes())
+        data[4096 + 7] ^= 0x55
+        f.write_bytes(bytes(data))
+        _, units = _unit_buffers(layout, 4)
+        got = st.get_units(keys, layout, units)
+        assert [h is not None for h in got] == [True, True, True, False]
+        for i in range(3):
+            assert np.array_equal(_joined(units[i]), payloads[i])
+        assert st.tiers[1].stats.corrupt == 1 and not st.contains(keys[3:])[0]
+        promoted = st.memory.contains(keys[2:3])[0]
+        assert promoted == (io == "direct")  # buffered: the page cache is the disk tier's memory
+
+
+def test_get_units_through_a_faulty_tier_stages(tmp_path, layout):
+    """A tier that cannot read in place (here the fault-injecting wrapper) is fetched and copied."""
+    cfg = {"memory": {"capacity": 8 * layout.payload_bytes, "slab_size": layout.payload_bytes},
+           "disk": {"path": str(tmp_path / "disk")}, "store": {"write_policy": "write_through"},
+           "faults": {"disk": {"missing_rate": 0.0}}}
+    with TieredStore(load_config(cfg, environ={})) as st:
+        keys = _prefix_keys(layout, 2)
+        payloads = [random_payload(layout, i) for i in range(2)]
+        st.put(keys, [layout] * 2, payloads)
+        st.drain()
+        st.memory.delete(keys)
+        _, units = _unit_buffers(layout, 2)
+        assert all(h is not None for h in st.get_units(keys, layout, units))
+        assert all(np.array_equal(_joined(u), p) for u, p in zip(units, payloads))

@@ -50,6 +50,7 @@ from lmkv.page import (
     unpack_header,
     units_in_ranges,
     verify_payload,
+    verify_unit_buffers,
     verify_units,
 )
 from lmkv.policy import EvictionPolicy, make_policy
@@ -274,8 +275,9 @@ class DiskTier(LocalTier):
 
     def _read_page(self, key: bytes, layout: GroupLayout, out, ranges: Sequence[Range] | None,
                    nowait: bool = False) -> PageHeader | None | object:
-        """One page into ``out``; ``nowait`` (a whole buffered page): :data:`_WOULD_BLOCK` unless the
-        OS page cache holds all of it, so that cached pages are read without a thread hand-off."""
+        """One page into ``out`` (a buffer, or with buffered I/O a list of one buffer per unit);
+        ``nowait`` (a whole buffered page): :data:`_WOULD_BLOCK` unless the OS page cache holds all
+        of it, so that cached pages are read without a thread hand-off."""
         with self._lock:
             e = self._index.get(key)
             if e is not None:
@@ -285,9 +287,10 @@ class DiskTier(LocalTier):
             return None
         hdr_bytes = disk_header_bytes(layout)
         plen = layout.payload_bytes
-        dst = as_bytes_view(out)
+        units = out if isinstance(out, list) else None
+        dst = None if units is not None else as_bytes_view(out)
         whole = ranges is None
-        direct = self.direct and (
+        direct = self.direct and units is None and (
             whole or all(s % ALIGN == 0 and _aligned(dst[s:t], t - s) for s, t in ranges)
         )
         try:
@@ -298,9 +301,9 @@ class DiskTier(LocalTier):
             return None
         try:
             if whole:
-                if not direct or _aligned(dst, padded(plen)):  # straight into the caller's buffer
+                if not direct or _aligned(dst, padded(plen)):  # straight into the caller's buffer(s)
                     hdr = self._bounce.get(hdr_bytes)
-                    bufs = [hdr, dst[: padded(plen) if direct else plen]]
+                    bufs = [hdr, *units] if units is not None else [hdr, dst[: padded(plen) if direct else plen]]
                     if nowait and not direct:
                         try:
                             got = os.preadv(fd, bufs, 0, os.RWF_NOWAIT)
@@ -321,7 +324,10 @@ class DiskTier(LocalTier):
                     hdr = scratch[:hdr_bytes]
                     dst[:plen] = scratch[hdr_bytes : hdr_bytes + plen]
                 header = unpack_header(hdr, expect_key=key, layout=layout)
-                verify_payload(header, layout, dst)
+                if units is not None:
+                    verify_unit_buffers(header, layout, units)
+                else:
+                    verify_payload(header, layout, dst)
                 n = plen
             else:
                 hdr = self._bounce.get(hdr_bytes)
@@ -470,6 +476,9 @@ class DiskTier(LocalTier):
         """Pages the OS page cache holds are read here, one after another (a memory copy: handing
         them to threads costs more than it saves, measured 1.4-1.9x slower here); the others are
         read in parallel, because a device needs queue depth."""
+        return self._read_all(keys, layout, outs)
+
+    def _read_all(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         if len(keys) < 2:
             return [self._read_page(k, layout, out, None) for k, out in zip(keys, outs)]
         results: list = [_WOULD_BLOCK] * len(keys)
@@ -480,6 +489,18 @@ class DiskTier(LocalTier):
             for i, r in zip(todo, self._io.map(lambda i: self._read_page(keys[i], layout, outs[i], None), todo)):
                 results[i] = r
         return results
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether :meth:`get_units` reads into the caller's buffers without staging (buffered I/O)."""
+        return not self.direct
+
+    def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
+        """Buffered I/O reads each page straight into its unit buffers (one ``preadv``); the page
+        cache is this tier's memory, so nothing is staged in lmkv's memory tier on the way."""
+        if not self.reads_in_place:  # O_DIRECT needs aligned buffers: stage
+            return super().get_units(keys, layout, units)
+        return self._read_all(keys, layout, [list(u) for u in units])
 
     def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         return self._read_page(key, layout, out, list(ranges))
