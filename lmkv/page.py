@@ -194,8 +194,8 @@ def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterab
 
 def verify_unit_buffers(header: PageHeader, layout: GroupLayout, units: Sequence) -> None:
     """Check a payload read into one buffer per unit (an engine's block rows), in unit order."""
-    if len(units) != header.num_units:
-        raise ShortReadError(f"{len(units)} unit buffers for a {header.num_units}-unit page")
+    if len(units) != header.num_units:  # the caller's mistake, not the page's
+        raise ValueError(f"{len(units)} unit buffers for a {header.num_units}-unit page")
     for u, buf in enumerate(units):
         if xxhash.xxh3_64_intdigest(buf) != header.unit_digest(u):
             layer, seg = divmod(u, len(layout.segments))

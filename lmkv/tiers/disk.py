@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 SUFFIX = ".page"
 _WOULD_BLOCK = object()  # a page the page cache does not hold (read it on an I/O thread)
+INLINE_RUNS = min(4, os.cpu_count() or 1)  # parallel runs of reads the page cache serves
+MIN_RUN_PAGES = 16
 
 
 def page_path(data_dir: Path, key: bytes, domain: str) -> str:
@@ -483,7 +485,15 @@ class DiskTier(LocalTier):
             return [self._read_page(k, layout, out, None) for k, out in zip(keys, outs)]
         results: list = [_WOULD_BLOCK] * len(keys)
         if not self.direct:
-            results = [self._read_page(k, layout, out, None, nowait=True) for k, out in zip(keys, outs)]
+            # a few long runs (one here, the others on I/O threads): a page's copy out of the page
+            # cache runs without the GIL while another run hashes (measured 1.5-1.7x one run on 2 cores)
+            def run(lo: int, hi: int) -> list:
+                return [self._read_page(keys[i], layout, outs[i], None, nowait=True) for i in range(lo, hi)]
+
+            parts = max(1, min(INLINE_RUNS, len(keys) // MIN_RUN_PAGES))
+            cuts = [len(keys) * j // parts for j in range(parts + 1)]
+            others = [self._io.submit(run, cuts[j], cuts[j + 1]) for j in range(1, parts)]
+            results = run(cuts[0], cuts[1]) + [r for f in others for r in f.result()]
         todo = [i for i, r in enumerate(results) if r is _WOULD_BLOCK]
         if todo:
             for i, r in zip(todo, self._io.map(lambda i: self._read_page(keys[i], layout, outs[i], None), todo)):
@@ -498,6 +508,9 @@ class DiskTier(LocalTier):
     def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
         """Buffered I/O reads each page straight into its unit buffers (one ``preadv``); the page
         cache is this tier's memory, so nothing is staged in lmkv's memory tier on the way."""
+        n = len(layout.unit_ranges)
+        if any(len(u) != n for u in units):
+            raise ValueError(f"group {layout.name!r}: a page has {n} units")
         if not self.reads_in_place:  # O_DIRECT needs aligned buffers: stage
             return super().get_units(keys, layout, units)
         return self._read_all(keys, layout, [list(u) for u in units])
