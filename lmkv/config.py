@@ -83,7 +83,9 @@ class StoreConfig(_Section):
         "evicting from memory is free; write_back: puts land in memory and are written down "
         "when memory evicts them (fewer disk writes, but an eviction waits for its write)",
     )
-    promote_on_hit: bool = Field(True, description="copy a lower-tier hit into memory")
+    promote_on_hit: bool = Field(
+        True, description="copy a lower-tier hit into memory (except pages a buffered disk tier reads "
+        "straight into the engine's blocks: the OS page cache already holds them)")
     failed_writes: Literal["retry", "drop"] = Field(
         "retry",
         description="a copy down that a tier refused (down, full): retry it from memory when that "
