@@ -73,7 +73,7 @@ class Pick:
 
     block_id: int
     block_hash: bytes
-    due: bool = True  # was about to be reused (not a lookahead pick, an ancestor, or an early copy)
+    due: bool = True  # about to be reused, or an ancestor copied for one (not a lookahead pick or an early copy)
 
 
 @dataclass
@@ -205,7 +205,7 @@ class LazyOffload:
                 self.stats.capped_steps += 1
             self.stats.closure_added += max(0, len(chain) - 1)
             for bid, ch in chain:
-                picks.append(Pick(bid, ch, due=ch in due))
+                picks.append(Pick(bid, ch, due=h in due))
                 chosen.add(ch)
             if len(picks) >= budget:
                 break
@@ -238,6 +238,7 @@ class LazyOffload:
             self.inflight.pop(p.block_hash, None)
         # Deepest pages first, like an engine freeing a request: a chain's first page, which every
         # later one needs for a prefix hit in the engine, is reused last. Blocks that were due go
-        # first in line; ancestors and early copies were not near eviction and go back behind.
+        # first in line (with the ancestors copied for them); lookahead picks and early copies were not
+        # near eviction and go back behind.
         pool.release([p.block_id for p in reversed(picks) if p.due], first=True)
         pool.release([p.block_id for p in reversed(picks) if not p.due], first=False)
