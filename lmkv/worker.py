@@ -95,11 +95,7 @@ class _GroupLoad:
     ok: list[bool] = field(default_factory=list)
     pages: list[np.ndarray] = field(default_factory=list)  # the pages that loaded ...
     good_blocks: list[int] = field(default_factory=list)  # ... and the blocks they go to
-    done_layers: set[int] = field(default_factory=set)  # scattered into the engine's blocks
-    consumed: set[int] = field(default_factory=set)  # the forward waited for these (before using them)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    ahead: Future | None = None  # the scatter running ahead of the forward, layer by layer ...
-    placed: list[threading.Event] = field(default_factory=list)  # ... and the layers it has finished
+    done_layers: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -141,8 +137,6 @@ class LayerwiseTransfer:
         self._async: dict[str, Future] = {}  # request -> its background load (True if every page loaded)
         # fetches of a background load's next chunk (a pool of its own: it never waits on the store's)
         self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="lmkv-prefetch")
-        # layerwise loads: layers are copied into the engine's blocks ahead of the forward, in order
-        self._scatterer = ThreadPoolExecutor(1, thread_name_prefix="lmkv-scatter")
         self._plan = StepPlan()
         self._held: list = []
         self.layers_touched = False
@@ -198,9 +192,7 @@ class LayerwiseTransfer:
         for g, (keys, blocks, chains, runs) in by_group.items():
             if g not in self._loads:
                 future = self.store.submit(self.store.fetch, keys, self.groups[g])
-                load = self._loads[g] = _GroupLoad(blocks, future, chains, runs)
-                load.placed = [threading.Event() for _ in range(self.groups[g].num_layers)]
-                load.ahead = self._scatterer.submit(self._scatter_ahead, g, load)
+                self._loads[g] = _GroupLoad(blocks, future, chains, runs)
         by_request: dict[str, list[PageOp]] = {}
         for op in self._plan.async_loads:
             by_request.setdefault(op.req_id, []).append(op)
@@ -305,13 +297,7 @@ class LayerwiseTransfer:
 
     def _ready(self, g: int) -> _GroupLoad | None:
         load = self._loads.get(g)
-        if load is None:
-            return None
-        with load.lock:
-            return self._ready_locked(g, load)
-
-    def _ready_locked(self, g: int, load: _GroupLoad) -> _GroupLoad:
-        if load.fetched is not None:
+        if load is None or load.fetched is not None:
             return load
         try:
             load.fetched = load.future.result()
@@ -341,35 +327,11 @@ class LayerwiseTransfer:
         return load
 
     def _scatter(self, g: int, layer: int) -> None:
-        """Copy one layer of a layerwise load into the engine's blocks (once, whoever comes first:
-        the scatter running ahead, or the forward about to use the layer)."""
-        load = self._loads.get(g)
-        if load is None:
+        load = self._ready(g)
+        if load is None or layer in load.done_layers:
             return
-        with load.lock:
-            self._ready_locked(g, load)
-            if layer not in load.done_layers:
-                self.layers[g][layer].scatter(load.good_blocks, load.pages, self.groups[g].layer_range(layer)[0])
-                load.done_layers.add(layer)
-
-    def _scatter_ahead(self, g: int, load: _GroupLoad) -> None:
-        """Layers in order, so that layer ``l`` is usually in place before the forward reaches it
-        (DESIGN.md mechanism 2: the forward waits only for the layer it needs)."""
-        try:
-            for layer, placed in enumerate(load.placed):
-                self._scatter(g, layer)
-                placed.set()
-        finally:  # on a failure the forward copies what is left itself
-            for placed in load.placed:
-                placed.set()
-
-    def _settle_ahead(self, load: _GroupLoad) -> None:
-        """Wait for the scatter running ahead (its pages are released after this)."""
-        if load.ahead is not None:
-            try:
-                load.ahead.result()
-            except Exception:  # a failing copy costs a recompute (the layer is not done), never the engine
-                log.exception("lmkv: copying a layerwise load into the engine's blocks failed")
+        self.layers[g][layer].scatter(load.good_blocks, load.pages, self.groups[g].layer_range(layer)[0])
+        load.done_layers.add(layer)
 
     def _gather(self, g: int, layer: int) -> None:
         st = self._stores.get(g)
@@ -382,12 +344,7 @@ class LayerwiseTransfer:
         self.layers_touched = True
         where = self.layer_names.get(name)
         if where is not None and self._loads:
-            g, layer = where
-            load = self._loads.get(g)
-            if load is not None:
-                load.placed[layer].wait()
-                self._scatter(g, layer)  # a no-op unless the scatter running ahead failed
-                load.consumed.add(layer)
+            self._scatter(*where)
 
     def after_layer(self, name: str) -> None:
         self.layers_touched = True
@@ -398,9 +355,8 @@ class LayerwiseTransfer:
     def end(self) -> None:
         """After the forward: finish every layer, commit the stores, release the fetched pages."""
         for g, load in self._loads.items():
-            self._settle_ahead(load)
             self._ready(g)
-            if len(load.consumed & load.done_layers) < self.groups[g].num_layers:
+            if len(load.done_layers) < self.groups[g].num_layers:
                 # The forward ran without (some of) these layers loaded: recompute those tokens.
                 self._errors.update(load.block_ids)
             load.fetched.release()
@@ -432,7 +388,6 @@ class LayerwiseTransfer:
         if self._session is not None:
             self._session.abort()
             self._session = None
-        for g, load in list(self._loads.items()):
-            self._settle_ahead(load)
+        for g in list(self._loads):
             self._ready(g).fetched.release()
         self._loads, self._stores = {}, {}
