@@ -53,6 +53,11 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 KV = "kv"
 
 
+def _pool_name(name) -> str:
+    """A ``PoolName`` (a str enum) or a plain string, as the key of a registered pool."""
+    return str(getattr(name, "value", name))
+
+
 def _model_id(cfg_model: str | None, sc: HiCacheStorageConfig) -> str:
     """The model identity keys carry, qualified by what splits layers or tokens across ranks."""
     model = cfg_model or sc.model_name or "sglang-model"
@@ -85,7 +90,7 @@ class LMKVHiCacheStorage(HiCacheStorage):
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        self._host_pools[str(getattr(host_pool_name, "value", host_pool_name))] = host_pool
+        self._host_pools[_pool_name(host_pool_name)] = host_pool
 
     def on_host_pools_registered(self) -> None:
         """Derive every pool's descriptor now, so an unsupported pool fails the attach, not a transfer."""
@@ -138,7 +143,7 @@ class LMKVHiCacheStorage(HiCacheStorage):
         for transfer in pool_transfers or []:
             if not restorable:
                 break
-            name = str(getattr(transfer.name, "value", transfer.name))
+            name = _pool_name(transfer.name)
             try:
                 have = self.store.contains(self.keys_for(name, keys[:kv_pages]))
             except (LMKVError, OSError, KeyError) as err:
@@ -168,12 +173,12 @@ class LMKVHiCacheStorage(HiCacheStorage):
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return {t.name: self._load(str(getattr(t.name, "value", t.name)), t.keys or [], t.host_indices)
+        return {t.name: self._load(_pool_name(t.name), t.keys or [], t.host_indices)
                 for t in transfers}
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return {t.name: self._save(str(getattr(t.name, "value", t.name)), t.keys or [], t.host_indices)
+        return {t.name: self._save(_pool_name(t.name), t.keys or [], t.host_indices)
                 for t in transfers}
 
     def _load(self, name: str, keys: Sequence[str], host_indices) -> list[bool]:

@@ -135,8 +135,9 @@ class LazyOffload:
             fam[1] += seen >= 0.5 * len(hashes)
 
     def note_computed(self, hashes: Sequence[bytes]) -> None:
-        """Blocks the engine just computed (candidates for early copies when the link is the bottleneck)."""
-        self._fresh.extend(hashes)
+        """Blocks the engine just computed (candidates for early copies on a declared link)."""
+        if self.link_bound:
+            self._fresh.extend(hashes)
 
     def _one_shot(self, h: bytes) -> bool:
         """Whether ``h`` belongs to a family whose requests almost never repeat what came before."""

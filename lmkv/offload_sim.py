@@ -107,7 +107,11 @@ class _Run:
         self.evicted_unwritten: set[bytes] = set()
         self.evicted: set[bytes] = set()
         self.pending: deque[bytes] = deque()  # eager copies not yet done
-        self.lazy = LazyOffload(cfg.lazy, cfg.page_bytes, self.tier.__contains__) if policy == "lazy" else None
+        lazy_cfg = cfg.lazy
+        if cfg.d2h_bytes_per_step is not None:  # the simulated link is declared to the policy
+            cap = max(1, cfg.d2h_bytes_per_step // cfg.page_bytes) * cfg.page_bytes
+            lazy_cfg = lazy_cfg.model_copy(update={"link_bytes_per_step": cap})
+        self.lazy = LazyOffload(lazy_cfg, cfg.page_bytes, self.tier.__contains__) if policy == "lazy" else None
         self.inflight: list[Pick] = []
         self.by_id = {r.id: r for r in trace}
         self.later: dict[str, list[TraceRequest]] = {}
@@ -272,9 +276,6 @@ class _Run:
             self.lazy.done(self.inflight, self.queue)
             self.lazy.note_step(self.allocated)
             self.allocated = 0
-            if cap is not None:  # the simulated link is declared to the policy
-                self.lazy.drain_bytes = cap * self.cfg.page_bytes
-                self.lazy.link_bound = True
             demand, tokens = 0, 0  # blocks the requests admitted next step will take
             for r in self.waiting:
                 tokens += r.num_tokens

@@ -185,11 +185,14 @@ def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterab
     units = list(units)
     for u, got in zip(units, _digests(layout, view, units)):
         if got != header.unit_digest(u):
-            layer, seg = divmod(u, len(layout.segments))
-            raise ChecksumError(
-                f"key {header.key.hex()}: layer {layer} segment {layout.segments[seg].name!r} "
-                f"checksum mismatch"
-            )
+            raise _mismatch(header, layout, u)
+
+
+def _mismatch(header: PageHeader, layout: GroupLayout, unit: int) -> ChecksumError:
+    layer, seg = divmod(unit, len(layout.segments))
+    return ChecksumError(
+        f"key {header.key.hex()}: layer {layer} segment {layout.segments[seg].name!r} checksum mismatch"
+    )
 
 
 def verify_unit_buffers(header: PageHeader, layout: GroupLayout, units: Sequence) -> None:
@@ -198,10 +201,7 @@ def verify_unit_buffers(header: PageHeader, layout: GroupLayout, units: Sequence
         raise ValueError(f"{len(units)} unit buffers for a {header.num_units}-unit page")
     for u, buf in enumerate(units):
         if xxhash.xxh3_64_intdigest(buf) != header.unit_digest(u):
-            layer, seg = divmod(u, len(layout.segments))
-            raise ChecksumError(
-                f"key {header.key.hex()}: layer {layer} segment {layout.segments[seg].name!r} checksum mismatch"
-            )
+            raise _mismatch(header, layout, u)
 
 
 def copy_units(layout: GroupLayout, payload, units: Sequence) -> None:

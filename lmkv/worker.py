@@ -213,7 +213,7 @@ class LayerwiseTransfer:
         staged = []
         for op in ops:
             layers = self.layers[op.group]
-            if all(layer.rows is not None and layer.nbytes == self.groups[op.group].layer_stride for layer in layers):
+            if all(layer.rows is not None for layer in layers):  # (block sizes were checked at registration)
                 layout = self.groups[op.group]
                 units = [[u for layer in layers for u in layer.units(b, layout.segments)] for b in op.block_ids]
                 got = self.store.get_units(self.keys(op), layout, units)

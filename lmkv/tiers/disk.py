@@ -475,12 +475,10 @@ class DiskTier(LocalTier):
             return key in self._index
 
     def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
-        """Pages the OS page cache holds are read here, one after another (a memory copy: handing
-        them to threads costs more than it saves, measured 1.4-1.9x slower here); the others are
-        read in parallel, because a device needs queue depth."""
-        return self._read_all(keys, layout, outs)
-
-    def _read_all(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        """Pages the OS page cache holds are read in a few long runs, one in this thread (a memory
+        copy: handing pages one by one to threads cost more than it saved, 1.4-1.9x slower here);
+        the others page by page in parallel, because a device needs queue depth. ``outs`` may also
+        be lists of unit buffers (see :meth:`get_units`)."""
         if len(keys) < 2:
             return [self._read_page(k, layout, out, None) for k, out in zip(keys, outs)]
         results: list = [_WOULD_BLOCK] * len(keys)
@@ -513,7 +511,7 @@ class DiskTier(LocalTier):
             raise ValueError(f"group {layout.name!r}: a page has {n} units")
         if not self.reads_in_place:  # O_DIRECT needs aligned buffers: stage
             return super().get_units(keys, layout, units)
-        return self._read_all(keys, layout, [list(u) for u in units])
+        return self.get(keys, layout, [list(u) for u in units])
 
     def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         return self._read_page(key, layout, out, list(ranges))
