@@ -45,10 +45,10 @@ class Shape:
     repeats: int
 
 
-FULL = Shape(model=LLAMA_BENCH, prompt_tokens=6144, docs=16, doc_tokens=4096, rounds=3, docs_in_budget=4.5, repeats=3)
+FULL = Shape(model=LLAMA_BENCH, prompt_tokens=6144, docs=16, doc_tokens=4096, rounds=3, docs_in_budget=4.5, repeats=9)
 QUICK = Shape(
     model=dict(LLAMA_BENCH, hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_hidden_layers=4),
-    prompt_tokens=1536, docs=6, doc_tokens=1024, rounds=2, docs_in_budget=2.5, repeats=2,
+    prompt_tokens=1536, docs=6, doc_tokens=1024, rounds=2, docs_in_budget=2.5, repeats=3,
 )
 QUESTION = 32
 BLOCK = 32

@@ -8,14 +8,17 @@ layer into that layer's range of the page, and loading *scatters* it back.
 
 When a layer's blocks are each contiguous (vLLM's CPU layout, and the
 block-outermost layouts), a block is a row of bytes and rows are copied with
-numpy, which moves small rows at several times torch's per-call speed. Any
-other layout is copied through torch's strided views. This is the reference
+numpy, which moves small rows at several times torch's per-call speed; runs of
+consecutive blocks whose pages sit at one stride in memory (:func:`block_runs`) are
+one strided torch copy per layer. Any other layout is copied through torch's strided
+views. This is the reference
 the CUDA/HIP kernels are tested against.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,6 +36,48 @@ def as_bytes_array(buf) -> np.ndarray:
     if isinstance(buf, np.ndarray):
         return buf.reshape(-1).view(np.uint8)
     return np.frombuffer(buf, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """Consecutive engine blocks ``block .. block + count - 1`` whose pages lie ``stride`` bytes
+    apart in memory, starting at ``page``: one strided copy per layer moves the whole run."""
+
+    block: int
+    count: int
+    page: np.ndarray
+    stride: int
+
+
+def _address(page: np.ndarray) -> int:
+    return page.__array_interface__["data"][0]
+
+
+def block_runs(block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> list[BlockRun]:
+    """Pair blocks with their pages, merging neighbours into runs.
+
+    A request's blocks are mostly consecutive in the engine, and the arena hands a session's
+    pages out in consecutive slots, so a 6k-token hit is usually one run: one copy per layer
+    (measured here: 48 MiB in 2.5 ms, against 5 ms as 1,536 row copies). Pages merge only when
+    they are equally sized and the next one starts exactly one stride on (a multiple of 8
+    bytes, so any element type can view it), so a strided view covers those pages' bytes and
+    no others.
+    """
+    runs: list[BlockRun] = []
+    first, count, stride, prev = 0, 0, 0, 0
+    for i, (b, page) in enumerate(zip(block_ids, pages)):
+        addr = _address(page)
+        if count and b == block_ids[first] + count and len(page) == len(pages[first]):
+            step = addr - prev
+            if (count == 1 and step >= len(page) and step % 8 == 0) or (count > 1 and step == stride):
+                stride, prev, count = step, addr, count + 1
+                continue
+        if count:
+            runs.append(BlockRun(int(block_ids[first]), count, pages[first], stride))
+        first, count, stride, prev = i, 1, 0, addr
+    if count:
+        runs.append(BlockRun(int(block_ids[first]), count, pages[first], stride))
+    return runs
 
 
 class LayerBlocks:
@@ -61,24 +106,30 @@ class LayerBlocks:
         t = torch.from_numpy(page[start : start + self.nbytes])
         return t.view(self.tensor.dtype).view(self.tensor.shape[1:])
 
-    def gather(self, block_ids: Sequence[int], pages: Sequence[np.ndarray], start: int) -> None:
-        """Copy block ``block_ids[i]`` into ``pages[i][start:start + nbytes]`` for every i."""
-        end = start + self.nbytes
-        if self.rows is not None:
-            rows = self.rows
-            for b, page in zip(block_ids, pages):
-                page[start:end] = rows[b]
-        else:
-            for b, page in zip(block_ids, pages):
-                self._page_view(page, start).copy_(self.tensor[b])
+    def _run_views(self, run: BlockRun, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A run's blocks and its pages' ranges as two tensors of the same shape (one copy)."""
+        pages = np.lib.stride_tricks.as_strided(run.page[start:], (run.count, self.nbytes), (run.stride, 1))
+        src = torch.from_numpy(pages).view(self.tensor.dtype).view(run.count, *self.tensor.shape[1:])
+        return self.tensor[run.block : run.block + run.count], src
 
-    def scatter(self, block_ids: Sequence[int], pages: Sequence[np.ndarray], start: int) -> None:
-        """Copy ``pages[i][start:start + nbytes]`` into block ``block_ids[i]`` for every i."""
-        end = start + self.nbytes
-        if self.rows is not None:
-            rows = self.rows
-            for b, page in zip(block_ids, pages):
-                rows[b] = page[start:end]
-        else:
-            for b, page in zip(block_ids, pages):
-                self.tensor[b].copy_(self._page_view(page, start))
+    def gather(self, runs: Sequence[BlockRun], start: int) -> None:
+        """Copy each run's blocks into its pages' ``[start:start + nbytes]``."""
+        for run in runs:
+            if run.count == 1 and self.rows is not None:
+                run.page[start : start + self.nbytes] = self.rows[run.block]
+            elif run.count == 1:
+                self._page_view(run.page, start).copy_(self.tensor[run.block])
+            else:
+                blocks, pages = self._run_views(run, start)
+                pages.copy_(blocks)
+
+    def scatter(self, runs: Sequence[BlockRun], start: int) -> None:
+        """Copy each run's pages' ``[start:start + nbytes]`` into its blocks."""
+        for run in runs:
+            if run.count == 1 and self.rows is not None:
+                self.rows[run.block] = run.page[start : start + self.nbytes]
+            elif run.count == 1:
+                self.tensor[run.block].copy_(self._page_view(run.page, start))
+            else:
+                blocks, pages = self._run_views(run, start)
+                blocks.copy_(pages)

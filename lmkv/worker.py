@@ -33,10 +33,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from lmkv.blockcopy import LayerBlocks, as_bytes_array
+from lmkv.blockcopy import BlockRun, LayerBlocks, as_bytes_array, block_runs
 from lmkv.errors import TierFullError
 from lmkv.keys import page_key
 from lmkv.layout import GroupLayout
@@ -93,15 +92,13 @@ class _GroupLoad:
     requests: list[tuple[int, int]]  # (first index, pages) of each request's run in the lists above
     fetched: Fetched | None = None
     ok: list[bool] = field(default_factory=list)
-    pages: list[np.ndarray] = field(default_factory=list)  # the pages that loaded ...
-    good_blocks: list[int] = field(default_factory=list)  # ... and the blocks they go to
+    runs: list[BlockRun] = field(default_factory=list)  # the pages that loaded and their blocks
     done_layers: set[int] = field(default_factory=set)
 
 
 @dataclass
 class _GroupStore:
-    block_ids: list[int]
-    pages: list[np.ndarray]
+    runs: list[BlockRun]
     done_layers: set[int] = field(default_factory=set)
 
 
@@ -138,6 +135,7 @@ class LayerwiseTransfer:
         # fetches of a background load's next chunk (a pool of its own: it never waits on the store's)
         self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="lmkv-prefetch")
         self._plan = StepPlan()
+        self._load_keys: list[list[bytes]] = []  # the keys of the step's loads, in the plan's order
         self._held: list = []
         self.layers_touched = False
 
@@ -155,7 +153,8 @@ class LayerwiseTransfer:
             self.store.submit(self.store.delete, [k for op in plan.drops for k in self.keys(op)])
         self.layers_touched = False  # whether this step ran a forward (its layer hooks)
         # Hold this step's memory-resident pages before reserving room for its stores, which may evict.
-        self._held = [self.store.memory.borrow(self.keys(op), count=False) for op in plan.loads]
+        self._load_keys = [self.keys(op) for op in plan.loads]
+        self._held = [self.store.memory.borrow(keys, count=False) for keys in self._load_keys]
         by_group: dict[int, tuple[list[bytes], list[int]]] = {}
         for op in plan.stores:
             if not self.groups[op.group].is_writer:
@@ -178,15 +177,15 @@ class LayerwiseTransfer:
         for g in order:
             keys, blocks = by_group[g]
             pages = [as_bytes_array(self._session.buffer(i + j)) for j in range(len(keys))]
-            self._stores[g] = _GroupStore(blocks, pages)
+            self._stores[g] = _GroupStore(block_runs(blocks, pages))
             i += len(keys)
 
     def start_loads(self) -> None:
         by_group: dict[int, tuple[list[bytes], list[int], list[bytes], list[tuple[int, int]]]] = {}
-        for op in self._plan.loads:
+        for op, op_keys in zip(self._plan.loads, self._load_keys):
             keys, blocks, chains, runs = by_group.setdefault(op.group, ([], [], [], []))
             runs.append((len(keys), len(op.chains)))
-            keys.extend(self.keys(op))
+            keys.extend(op_keys)
             blocks.extend(op.block_ids)
             chains.extend(op.chains)
         for g, (keys, blocks, chains, runs) in by_group.items():
@@ -250,9 +249,9 @@ class LayerwiseTransfer:
         with fetched:
             good = [(b, as_bytes_array(v))
                     for b, v in zip(op.block_ids[i : i + LOAD_CHUNK_PAGES], fetched.views) if v is not None]
-            blocks, pages = [b for b, _ in good], [p for _, p in good]
+            runs = block_runs([b for b, _ in good], [p for _, p in good])
             for layer in range(layout.num_layers):
-                self.layers[op.group][layer].scatter(blocks, pages, layout.layer_range(layer)[0])
+                self.layers[op.group][layer].scatter(runs, layout.layer_range(layer)[0])
             return self._landed(op, i, [v is not None for v in fetched.views])
 
     def _landed(self, op: PageOp, first: int, ok: list[bool]) -> bool:
@@ -306,8 +305,8 @@ class LayerwiseTransfer:
             load.fetched = Fetched([None] * len(load.block_ids), [None] * len(load.block_ids), [])
         views = load.fetched.views
         load.ok = [v is not None for v in views]
-        load.pages = [as_bytes_array(v) for v in views if v is not None]
-        load.good_blocks = [b for b, ok in zip(load.block_ids, load.ok) if ok]
+        pages = [as_bytes_array(v) for v in views if v is not None]
+        load.runs = block_runs([b for b, ok in zip(load.block_ids, load.ok) if ok], pages)
         failed = [b for b, ok in zip(load.block_ids, load.ok) if not ok]
         self._errors.update(failed)
         # the engine recomputes each request from its first failed page on
@@ -321,8 +320,8 @@ class LayerwiseTransfer:
             self.groups[g].name,
             failed_pages=len(failed),
             recomputed_tokens=recomputed,
-            loaded_pages=len(load.pages),
-            loaded_bytes=len(load.pages) * self.groups[g].payload_bytes,
+            loaded_pages=len(pages),
+            loaded_bytes=len(pages) * self.groups[g].payload_bytes,
         )
         return load
 
@@ -330,14 +329,14 @@ class LayerwiseTransfer:
         load = self._ready(g)
         if load is None or layer in load.done_layers:
             return
-        self.layers[g][layer].scatter(load.good_blocks, load.pages, self.groups[g].layer_range(layer)[0])
+        self.layers[g][layer].scatter(load.runs, self.groups[g].layer_range(layer)[0])
         load.done_layers.add(layer)
 
     def _gather(self, g: int, layer: int) -> None:
         st = self._stores.get(g)
         if st is None or layer in st.done_layers:
             return
-        self.layers[g][layer].gather(st.block_ids, st.pages, self.groups[g].layer_range(layer)[0])
+        self.layers[g][layer].gather(st.runs, self.groups[g].layer_range(layer)[0])
         st.done_layers.add(layer)
 
     def before_layer(self, name: str) -> None:

@@ -27,7 +27,7 @@ def test_kernel_matches_the_cpu_reference_on_a_gpu():
         pytest.skip("no GPU")
     import numpy as np
 
-    from lmkv.blockcopy import LayerBlocks
+    from lmkv.blockcopy import LayerBlocks, block_runs
     from lmkv.cuda import block_copy
 
     L, B, H, N, C = 4, 32, 2, 16, 64
@@ -41,7 +41,7 @@ def test_kernel_matches_the_cpu_reference_on_a_gpu():
     torch.cuda.synchronize()
     ref = [np.zeros(L * nbytes, np.uint8) for _ in blocks]
     for layer in range(L):
-        LayerBlocks(layers[layer].cpu()).gather(blocks, ref, layer * nbytes)
+        LayerBlocks(layers[layer].cpu()).gather(block_runs(blocks, ref), layer * nbytes)
     assert all(np.array_equal(pages[i].cpu().numpy(), ref[i]) for i in range(len(blocks)))
     back = [torch.zeros_like(t) for t in layers]
     block_copy(ptrs(back), torch.tensor(blocks, device="cuda"), ptrs(list(pages)), block_stride=nbytes,
