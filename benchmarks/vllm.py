@@ -45,7 +45,7 @@ class Shape:
     repeats: int
 
 
-FULL = Shape(model=LLAMA_BENCH, prompt_tokens=6144, docs=16, doc_tokens=4096, rounds=3, docs_in_budget=4.5, repeats=9)
+FULL = Shape(model=LLAMA_BENCH, prompt_tokens=6144, docs=16, doc_tokens=4096, rounds=3, docs_in_budget=4.5, repeats=15)
 QUICK = Shape(
     model=dict(LLAMA_BENCH, hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_hidden_layers=4),
     prompt_tokens=1536, docs=6, doc_tokens=1024, rounds=2, docs_in_budget=2.5, repeats=3,
@@ -155,6 +155,8 @@ def _alternate(variant: Variant, tokens: list[int], repeats: int, before) -> tup
         before()
         t, hit_out = variant.ttft(tokens)
         hits.append(t)
+    log.info("%s: floors %s, hits %s (ms)", variant.name, [round(x * 1e3, 1) for x in floors],
+             [round(x * 1e3, 1) for x in hits])
     return statistics.median(floors), floor_out, statistics.median(hits), hit_out
 
 
