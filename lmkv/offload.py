@@ -188,8 +188,6 @@ class LazyOffload:
         zone.sort(key=lambda h: -self._uses.get(h, 1))
         picks: list[Pick] = []
         chosen: set[bytes] = set()
-        if self.link_bound:
-            self._fill(pool, picks, chosen, budget)
         for h in zone:
             if h in chosen:
                 continue
@@ -210,6 +208,8 @@ class LazyOffload:
                 chosen.add(ch)
             if len(picks) >= budget:
                 break
+        if self.link_bound:
+            self._fill(pool, picks, chosen, budget)
         self._binding = 0.9 * self._binding + 0.1 * (len(picks) >= budget)
         if picks:
             pool.protect([p.block_id for p in picks])

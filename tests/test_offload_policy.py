@@ -183,3 +183,30 @@ def test_a_declared_link_is_kept_busy_with_early_copies_of_fresh_blocks(engine):
     busy.done(picks, queue)
     assert all(mgr.block_pool.blocks[x.block_id].ref_cnt == 1 for x in picks)
     assert [x.block_hash for x in busy.plan(queue)] == fresh[3:]
+
+
+def test_a_short_link_copies_due_blocks_before_fresh_ones(engine):
+    """A declared link of one page per step: the block about to be reused is copied first, a fresh
+    block only with the link time left over (fresh first measured 0.92x eager's losses under a
+    budget, due first 0.81x)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    mgr, queue, finish = engine
+    done = finish("old", list(range(3, 3 + 2 * BS)))  # its blocks wait in the free queue
+    running = make_request("run", list(range(500, 500 + 2 * BS)), 8, BS)
+    blocks, hit, *_ = mgr.get_computed_blocks(running)
+    assert mgr.allocate_slots(running, 2 * BS - hit, hit, blocks) is not None
+    fresh = [make_block_hash_with_group_id(h, 0) for h in running.block_hashes]
+    tier: set = set()
+    p = _policy(tier, link_bytes_per_step=1 << 20)
+    p.note_chain(done)
+    p.note_chain(fresh)
+    p.note_computed(fresh)
+    p.note_step(200)  # a burst: every free block is in danger
+    for expected in done:  # closure order: the chain's first page first
+        picks = p.plan(queue)
+        assert [(x.block_hash, x.due) for x in picks] == [(expected, True)]
+        tier.add(expected)
+        p.done(picks, queue)
+    picks = p.plan(queue)  # nothing due is left: the link goes to the fresh blocks
+    assert [(x.block_hash, x.due) for x in picks] == [(fresh[0], False)]
