@@ -67,7 +67,7 @@ def block_runs(block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> list[Bl
     first, count, stride, prev = 0, 0, 0, 0
     for i, (b, page) in enumerate(zip(block_ids, pages)):
         addr = _address(page)
-        if count and b == block_ids[first] + count and len(page) == len(pages[first]):
+        if count and b == block_ids[first] + count and len(page) == len(pages[first]) and page.strides == (1,):
             step = addr - prev
             if (count == 1 and step >= len(page) and step % 8 == 0) or (count > 1 and step == stride):
                 stride, prev, count = step, addr, count + 1
@@ -75,6 +75,9 @@ def block_runs(block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> list[Bl
         if count:
             runs.append(BlockRun(int(block_ids[first]), count, pages[first], stride))
         first, count, stride, prev = i, 1, 0, addr
+        if page.strides != (1,):  # not a plain run of bytes: it stays on its own
+            runs.append(BlockRun(int(b), 1, page, 0))
+            count = 0
     if count:
         runs.append(BlockRun(int(block_ids[first]), count, pages[first], stride))
     return runs

@@ -65,6 +65,8 @@ def test_runs_merge_consecutive_blocks_over_evenly_spaced_pages_only():
     assert [(r.block, r.count, r.stride) for r in runs] == [(3, 3, n), (6, 2, n), (9, 1, 0)]
     assert block_runs([5, 4], [slots[0], slots[1]])[0].count == 1  # blocks not ascending: two runs
     assert [r.count for r in block_runs([1, 2], [slots[0][: n // 2], slots[1]])] == [1, 1]  # sizes differ
+    strided = arena[: 2 * n : 2]  # not a plain run of bytes
+    assert [(r.block, r.count) for r in block_runs([1, 2, 3], [strided, slots[4], slots[5]])] == [(1, 1), (2, 2)]
     assert block_runs([], []) == []
 
 
