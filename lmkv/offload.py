@@ -26,7 +26,12 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
   them, almost never repeat most of an earlier prompt (a stream of one-shot
   prompts) has its blocks skipped: copying them would be wasted. Repetition is
   judged on what was seen, not on what was served from cache, so skipping copies
-  can never make a family look one-shot.
+  can never make a family look one-shot;
+- **need estimate**: without a declared link, a due block is skipped when blocks like
+  it (as often used; in an agent-like session, a document-like one, or a single
+  request) were needed again from a tier less often than ``min_need_rate``, learned
+  from what came back (:mod:`lmkv.reuse`): an agent session's blocks near eviction
+  belong to a session that has ended, a question's tail is never asked again.
 
 Only the danger zone is walked each step (O(depth), not O(blocks)). The engine side
 is the :class:`FreeQueue` protocol; :mod:`lmkv.connectors.vllm_pool` implements it on
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lmkv.config import OffloadConfig
+from lmkv.reuse import ReuseModel
 
 
 class FreeQueue(Protocol):
@@ -83,6 +89,7 @@ class LazyStats:
     unreachable: int = 0
     capped_steps: int = 0
     filled: int = 0  # early copies of fresh blocks in steps the zone left link time idle
+    unlikely: int = 0  # due blocks not copied: blocks like them were seldom needed again
 
 
 class LazyOffload:
@@ -99,40 +106,36 @@ class LazyOffload:
         self._binding = 0.0  # how often the drain cap has been binding lately (EMA of 0/1)
         self.inflight: dict[bytes, int] = {}  # hash -> protected block id
         self._parent: OrderedDict[bytes, bytes | None] = OrderedDict()
-        self._seen: set[bytes] = set()  # blocks some admitted request used
-        self._root: dict[bytes, bytes] = {}  # block -> the first page of its chain (its family)
-        self._families: dict[bytes, list[int]] = {}  # first page -> [requests, requests mostly seen before]
+        self.reuse = ReuseModel(lineages=max(1, cfg.chain_memory // 16))
+        #: without a declared link, bytes are the cost: blocks unlikely to be needed are not copied
+        #: (with one, the link's time is spent anyway, on the blocks nearest eviction)
+        self.estimating = not self.link_bound and cfg.min_need_rate > 0
+        self._step = 0
         self._fresh: deque[bytes] = deque(maxlen=cfg.chain_memory)  # computed blocks, oldest first
         self.stats = LazyStats()
 
     # -- what the engine tells the policy ---------------------------------------
 
-    def note_chain(self, hashes: Sequence[bytes], used: bool = True) -> None:
+    def note_chain(self, hashes: Sequence[bytes], used: bool = True, cached: int = 0) -> None:
         """A request's chain of block hashes, first page first: parent links, and (``used``: a request
-        was admitted with it) whether the request repeats what its family has seen (most of its
-        pages were used before, cached or not)."""
+        was admitted with it, the engine holding its first ``cached`` pages) what the request shows
+        about reuse (:class:`lmkv.reuse.ReuseModel`)."""
+        if not hashes:
+            return
         prev: bytes | None = None
-        seen = 0
         cap = self.cfg.chain_memory
-        root = hashes[0] if hashes else None
         for h in hashes:
             if h in self._parent:
                 self._parent.move_to_end(h)
             else:
                 self._parent[h] = prev
-                self._root[h] = root  # type: ignore[assignment]
+                self.reuse.note_block(h, hashes[0])
                 if len(self._parent) > cap:
                     old, _ = self._parent.popitem(last=False)
-                    self._seen.discard(old)
-                    self._root.pop(old, None)
-            if used:
-                seen += h in self._seen
-                self._seen.add(h)
+                    self.reuse.forget(old)
             prev = h
-        if used and root is not None:
-            fam = self._families.setdefault(root, [0, 0])
-            fam[0] += 1
-            fam[1] += seen >= 0.5 * len(hashes)
+        if used:
+            self.reuse.note_request(hashes, cached, self._step)
 
     def note_computed(self, hashes: Sequence[bytes]) -> None:
         """Blocks the engine just computed (candidates for early copies on a declared link)."""
@@ -140,12 +143,11 @@ class LazyOffload:
             self._fresh.extend(hashes)
 
     def _one_shot(self, h: bytes) -> bool:
-        """Whether ``h`` belongs to a family whose requests almost never repeat what came before."""
-        fam = self._families.get(self._root.get(h, b""))
-        return (fam is not None and fam[0] >= self.cfg.min_family_requests
-                and fam[1] < self.cfg.min_reuse_rate * fam[0])
+        """Whether ``h``'s family almost never repeats what came before (one-shot prompts)."""
+        return self.reuse.one_shot(h, self.cfg.min_family_requests, self.cfg.min_reuse_rate)
 
     def note_step(self, blocks_allocated: int) -> None:
+        self._step += 1
         a = self.cfg.ema_alpha
         self.alloc_ema = (1 - a) * self.alloc_ema + a * blocks_allocated
 
@@ -172,6 +174,8 @@ class LazyOffload:
     def plan(self, pool: FreeQueue, next_demand: int = 0) -> list[Pick]:
         """The copies to start this step (their blocks are protected until :meth:`done`)."""
         budget = max(1, self.drain_bytes // self.page_bytes)
+        if self.estimating:
+            self.reuse.settle(self._step)
         # When the cap has been binding, look further ahead: copies must start earlier to finish in time.
         due_depth = self.danger_depth(next_demand)
         depth = int(due_depth * (1 + LOOKAHEAD_GAIN * self._binding))
@@ -181,6 +185,11 @@ class LazyOffload:
             if i >= depth:
                 break
             if h is not None and not self.in_tier(h) and h not in self.inflight and not self._one_shot(h):
+                if self.estimating:
+                    need = self.reuse.watch(h, self._step)
+                    if need is not None and need < self.cfg.min_need_rate:
+                        self.stats.unlikely += 1
+                        continue
                 zone.append(h)
                 if i < due_depth:
                     due.add(h)

@@ -188,7 +188,7 @@ class _Run:
             self.res.computed_tokens += n - hbm_tokens - hit
             req.num_computed_tokens = n
             if self.lazy is not None and hashes:
-                self.lazy.note_chain(hashes)
+                self.lazy.note_chain(hashes, cached=hbm_tokens // bs)
                 self.lazy.note_computed(hashes[hbm_tokens // bs + tier_blocks:])
             if self.policy == "eager":
                 first = hbm_tokens // bs + tier_blocks

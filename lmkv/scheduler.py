@@ -286,7 +286,7 @@ class OffloadScheduler:
             for p in range(st.stored_upto, n):
                 self._engine_pages[eks[p]] = (g, st.seq.chains[p])
                 self._engine_pages.move_to_end(eks[p])
-            self.lazy.note_chain(eks, used=not st.noted)
+            self.lazy.note_chain(eks, used=not st.noted, cached=st.local_pages)
             self.lazy.note_computed(eks[st.stored_upto:n])
         st.noted = True
         while len(self._engine_pages) > self.lazy.cfg.chain_memory:

@@ -210,3 +210,31 @@ def test_a_short_link_copies_due_blocks_before_fresh_ones(engine):
         p.done(picks, queue)
     picks = p.plan(queue)  # nothing due is left: the link goes to the fresh blocks
     assert [(x.block_hash, x.due) for x in picks] == [(fresh[0], False)]
+
+
+def test_without_a_link_blocks_seldom_needed_again_are_not_copied(engine):
+    """A due block of a class that was seldom needed again (a question's tail: used once, in a
+    lineage that branches) is skipped; with a declared link its copy is made anyway (the link's
+    time is there to be spent)."""
+    from lmkv.reuse import BRANCHES, MIN_EVIDENCE
+
+    mgr, queue, finish = engine
+    sys_, doc_a, doc_b = list(range(3, 3 + BS)), list(range(100, 100 + BS)), list(range(200, 200 + BS))
+    chains = [finish(f"r{i}", sys_ + doc + list(range(q, q + BS)))
+              for i, (doc, q) in enumerate([(doc_a, 300), (doc_a, 400), (doc_b, 500), (doc_b, 600)])]
+    tails = {c[-1] for c in chains[2:]}  # doc B's questions: its lineage branched
+    for link in (None, 1 << 30):
+        p = _policy(set(), link_bytes_per_step=link)
+        for c in chains:
+            p.note_chain(c)
+        assert all(p.reuse._class(t) == (1, BRANCHES) for t in tails)
+        p.reuse.not_needed[1][BRANCHES] = MIN_EVIDENCE  # blocks like these were never needed again
+        p.note_step(200)  # a burst: everything is in danger
+        picks = p.plan(queue)
+        copied = {x.block_hash for x in picks}
+        assert chains[2][1] in copied  # doc B's body: no evidence against it
+        if link is None:
+            assert not tails & copied and p.stats.unlikely >= 2
+        else:
+            assert tails <= copied and p.stats.unlikely == 0
+        p.done(picks, queue)  # back in the free queue for the next policy
