@@ -213,6 +213,8 @@ class LazyOffload:
             for bid, ch in chain:
                 picks.append(Pick(bid, ch, due=h in due))
                 chosen.add(ch)
+                if self.estimating and ch != h:
+                    self.reuse.watch(ch, self._step)  # its outcome teaches the estimate too
             if len(picks) >= budget:
                 break
         if self.link_bound:
