@@ -107,6 +107,28 @@ def test_drain_cap_takes_the_oldest_pages_first(engine):
     p.done(first, queue)
 
 
+def test_the_zone_is_walked_only_until_the_steps_copies_are_planned(engine):
+    mgr, queue, finish = engine
+    chains = [finish(f"r{i}", list(range(100 * i + 3, 100 * i + 3 + 2 * BS))) for i in range(4)]
+    p = _policy(set(), drain_bytes_per_step=1 << 20)  # one page per step
+    for c in chains:
+        p.note_chain(c)
+    p.note_step(200)  # everything is in danger
+    walked = []
+    inner = queue.iter_free
+
+    def counting():
+        for entry in inner():
+            walked.append(entry)
+            yield entry
+
+    queue.iter_free = counting
+    (pick,) = p.plan(queue)
+    assert pick.block_hash == chains[0][0]
+    free = mgr.block_pool.get_num_free_blocks()
+    assert walked[-1][1] == chains[0][-1] and len(walked) < free  # stopped at the first candidate
+
+
 def test_the_blocks_nearest_the_head_go_first_under_a_cap(engine):
     """However often a prefix was used: the first block to be lost is the first copied."""
     mgr, queue, finish = engine
