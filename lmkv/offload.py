@@ -109,7 +109,7 @@ class LazyOffload:
         self._binding = 0.0  # how often the drain cap has been binding lately (EMA of 0/1)
         self.inflight: dict[bytes, int] = {}  # hash -> protected block id
         self._parent: OrderedDict[bytes, bytes | None] = OrderedDict()
-        self.reuse = ReuseModel(lineages=max(1, cfg.chain_memory // 16))
+        self.reuse = ReuseModel(remembered=max(1, cfg.chain_memory // 16))
         #: without a declared link, bytes are the cost: blocks unlikely to be needed are not copied
         #: (with one, the link's time is spent anyway, on the blocks nearest eviction)
         self.estimating = not self.link_bound and cfg.min_need_rate > 0

@@ -15,7 +15,7 @@ from it:
 - **the estimate**: the chance that a block about to be evicted will be needed from a
   tier (asked for again while the engine no longer holds it), by how many requests used
   it and its lineage's kind (one request so far, extending, branching). Each block the
-  policy sees near eviction is watched: a success if a later request needs it beyond
+  policy sees near eviction, and each ancestor it copies for one, is watched: a success if a later request needs it beyond
   what the engine still holds, a miss if a request finds it still in the engine (a copy
   would have been wasted) or if nobody asks for it within twice the slowest success seen
   so far (it becomes a success after all if it is needed later; the horizon grows).
@@ -68,13 +68,15 @@ Outcome = tuple[tuple[int, int], int]  # (uses row, lineage kind), step first wa
 class ReuseModel:
     """Per-block use counts, families and lineages, and the learned chance of being needed."""
 
-    def __init__(self, lineages: int) -> None:
+    def __init__(self, remembered: int) -> None:
+        """``remembered``: how many families and how many lineages are kept (the least recently
+        seen are forgotten)."""
         self.uses: dict[bytes, int] = {}
         self._root: dict[bytes, bytes] = {}  # block -> the first page of its chain (its family)
-        self._families: dict[bytes, Family] = {}
+        self._families: OrderedDict[bytes, Family] = OrderedDict()
         self._lineage_of: dict[bytes, bytes] = {}  # block past its family's shared pages -> its lineage
         self._lineages: OrderedDict[bytes, Lineage] = OrderedDict()
-        self._max_lineages = lineages
+        self._remembered = remembered
         self.needed = [[0] * 3 for _ in range(MAX_USES + 1)]
         self.not_needed = [[0] * 3 for _ in range(MAX_USES + 1)]
         self.horizon = MIN_WATCH_STEPS
@@ -98,7 +100,13 @@ class ReuseModel:
             seen += h in self.uses
             self.uses[h] = self.uses.get(h, 0) + 1
             self._outcome(h, step, needed=i >= cached)
-        fam = self._families.setdefault(hashes[0], Family(list(hashes)))
+        fam = self._families.get(hashes[0])
+        if fam is None:
+            fam = self._families[hashes[0]] = Family(list(hashes))
+            if len(self._families) > self._remembered:
+                self._families.popitem(last=False)
+        else:
+            self._families.move_to_end(hashes[0])
         fam.requests += 1
         fam.repeats += seen >= 0.5 * len(hashes)
         self._note_lineage(fam, hashes)
@@ -118,7 +126,7 @@ class ReuseModel:
         lin = self._lineages.get(key)
         if lin is None:
             lin = self._lineages[key] = Lineage()
-            if len(self._lineages) > self._max_lineages:
+            if len(self._lineages) > self._remembered:
                 self._lineages.popitem(last=False)
         else:
             self._lineages.move_to_end(key)

@@ -17,7 +17,7 @@ SYSTEM = ["sys0", "sys1"]
 
 
 def test_agent_turns_extend_and_document_questions_branch():
-    m = ReuseModel(lineages=100)
+    m = ReuseModel(remembered=100)
     note(m, chain(*SYSTEM, "a0", "a1"))  # an agent's first turn
     note(m, chain(*SYSTEM, "d0", "d1", "q0"))  # a document's first question: the family's shared pages shrink
     note(m, chain(*SYSTEM, "a0", "a1", "out", "a2"))  # the agent's next turn continues the whole first one
@@ -30,7 +30,7 @@ def test_agent_turns_extend_and_document_questions_branch():
 
 
 def test_the_estimate_needs_evidence_and_learns_from_outcomes():
-    m = ReuseModel(lineages=100)
+    m = ReuseModel(remembered=100)
     tails = [chain(*SYSTEM, f"doc{i}", f"q{i}") for i in range(MIN_EVIDENCE)]
     for c in tails:
         note(m, c)
@@ -48,7 +48,7 @@ def test_the_estimate_needs_evidence_and_learns_from_outcomes():
 
 
 def test_a_block_the_engine_still_held_was_not_needed_from_a_tier():
-    m = ReuseModel(lineages=100)
+    m = ReuseModel(remembered=100)
     c = chain(*SYSTEM, "a0", "a1")
     note(m, c)
     m.watch(b"a1", step=1)
@@ -60,11 +60,14 @@ def test_a_block_the_engine_still_held_was_not_needed_from_a_tier():
 
 
 def test_one_shot_families_and_forgetting():
-    m = ReuseModel(lineages=2)
+    m = ReuseModel(remembered=2)
     for i in range(10):
         note(m, chain("stream-sys", f"p{i}a", f"p{i}b"))
     assert m.one_shot(b"p3a", min_requests=8, min_rate=0.1)
     assert not m.one_shot(b"p3a", min_requests=16, min_rate=0.1)  # not enough requests to judge
     assert len(m._lineages) == 2  # bounded
+    for i in range(5):  # one-shot prompts without a shared first page: one family each, bounded too
+        note(m, chain(f"alone{i}", "x"))
+    assert len(m._families) == 2
     m.forget(b"p3a")
     assert not m.one_shot(b"p3a", min_requests=8, min_rate=0.1)  # a block it no longer knows
