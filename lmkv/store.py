@@ -277,7 +277,7 @@ class TieredStore:
                 mine = [i for i in missing if where[i] == tier.name]
                 if not mine:
                     continue
-                if not getattr(tier, "reads_in_place", False):
+                if not tier.reads_in_place:
                     staged.extend(mine)
                     continue
                 try:

@@ -17,10 +17,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from lmkv.layout import GroupLayout
-from lmkv.page import PageHeader, as_bytes_view, copy_units, make_header
+from lmkv.page import PageHeader, as_bytes_view, make_header
 
 Range = tuple[int, int]
 
@@ -97,6 +95,9 @@ class Tier(ABC):
 
     #: whether reads from this tier verify page checksums
     verifies: bool = True
+    #: whether this tier reads pages straight into an engine's buffers (``get_units``: a buffered
+    #: disk tier); the store stages every other tier's pages through memory
+    reads_in_place: bool = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -108,17 +109,6 @@ class Tier(ABC):
     @abstractmethod
     def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         """Read whole payloads into ``outs``; ``None`` for a page that is missing or failed."""
-
-    def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
-        """Read pages straight into one buffer per unit (``units[i][u]``: page i's unit u, e.g. one
-        layer of an engine block). The default stages whole pages and copies; a tier that can read
-        in place overrides it."""
-        staged = [np.empty(layout.payload_bytes, np.uint8) for _ in keys]
-        headers = self.get(keys, layout, staged)
-        for header, page, dsts in zip(headers, staged, units):
-            if header is not None:
-                copy_units(layout, page, dsts)
-        return headers
 
     @abstractmethod
     def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:

@@ -506,11 +506,11 @@ class DiskTier(LocalTier):
     def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
         """Buffered I/O reads each page straight into its unit buffers (one ``preadv``); the page
         cache is this tier's memory, so nothing is staged in lmkv's memory tier on the way."""
+        if not self.reads_in_place:
+            raise ValueError("disk tier: O_DIRECT reads need aligned buffers; stage pages through fetch")
         n = len(layout.unit_ranges)
         if any(len(u) != n for u in units):
             raise ValueError(f"group {layout.name!r}: a page has {n} units")
-        if not self.reads_in_place:  # O_DIRECT needs aligned buffers: stage
-            return super().get_units(keys, layout, units)
         return self.get(keys, layout, [list(u) for u in units])
 
     def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
