@@ -11,8 +11,7 @@ block-outermost layouts), a block is a row of bytes and rows are copied with
 numpy, which moves small rows at several times torch's per-call speed; runs of
 consecutive blocks whose pages sit at one stride in memory (:func:`block_runs`) are
 one strided torch copy per layer. Any other layout is copied through torch's strided
-views. This is the reference
-the CUDA/HIP kernels are tested against.
+views. This is the reference the CUDA/HIP kernels are tested against.
 """
 
 from __future__ import annotations

@@ -19,9 +19,10 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
   nearest the head first (the first to be lost); while the cap binds, the zone grows
   (up to ``1 + LOOKAHEAD_GAIN`` times: in effect the whole queue), so copies start
   earlier and use the link's idle steps instead of losing blocks at the head; the walk
-  stops where the step's copies are planned, so a deep zone costs only what is used. (Taking the most-used prefixes first
-  instead lost 1.14x as many blocks under a tight link: a much-used block is often one
-  that its requests are done with, such as a document after its last question.)
+  stops where the step's copies are planned, so a deep zone costs only what is used.
+  (Taking the most-used prefixes first instead lost 1.14x as many blocks under a tight
+  link: a much-used block is often one that its requests are done with, such as a
+  document after its last question.)
 - **families**: requests that start with the same page (one application's system
   prompt) behave alike. A family whose requests, after ``min_family_requests`` of
   them, almost never repeat most of an earlier prompt (a stream of one-shot
@@ -35,9 +36,8 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
   belong to a session that has ended, a question's tail is never asked again.
 
 Only the danger zone is walked each step (O(depth), not O(blocks)), and only until the
-step's copies are planned. The engine side
-is the :class:`FreeQueue` protocol; :mod:`lmkv.connectors.vllm_pool` implements it on
-vLLM's ``BlockPool``.
+step's copies are planned. The engine side is the :class:`FreeQueue` protocol;
+:mod:`lmkv.connectors.vllm_pool` implements it on vLLM's ``BlockPool``.
 """
 
 from __future__ import annotations
