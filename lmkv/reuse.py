@@ -116,7 +116,8 @@ class ReuseModel:
         while n < len(fam.shared) and n < len(hashes) and fam.shared[n] == hashes[n]:
             n += 1
         if n < len(fam.shared) and fam.requests == 2:  # the family's first request: a lineage of its own
-            self._lineages.setdefault(fam.shared[n], Lineage(requests=1, leaf=fam.shared[-1]))
+            if fam.shared[n] not in self._lineages:
+                self._add_lineage(fam.shared[n], Lineage(requests=1, leaf=fam.shared[-1]))
             for h in fam.shared[n:]:
                 self._lineage_of[h] = fam.shared[n]
         del fam.shared[n:]
@@ -125,9 +126,7 @@ class ReuseModel:
         key = hashes[n]
         lin = self._lineages.get(key)
         if lin is None:
-            lin = self._lineages[key] = Lineage()
-            if len(self._lineages) > self._remembered:
-                self._lineages.popitem(last=False)
+            lin = self._add_lineage(key, Lineage())
         else:
             self._lineages.move_to_end(key)
             if lin.leaf in hashes[n:]:
@@ -138,6 +137,12 @@ class ReuseModel:
         lin.leaf = hashes[-1]
         for h in hashes[n:]:
             self._lineage_of[h] = key
+
+    def _add_lineage(self, key: bytes, lin: Lineage) -> Lineage:
+        self._lineages[key] = lin
+        if len(self._lineages) > self._remembered:
+            self._lineages.popitem(last=False)
+        return lin
 
     def one_shot(self, h: bytes, min_requests: int, min_rate: float) -> bool:
         """Whether ``h``'s family, after ``min_requests`` requests, repeats less often than ``min_rate``."""
