@@ -139,6 +139,8 @@ class LazyOffload:
             prev = h
         if used:
             self.reuse.note_request(hashes, cached, self._step)
+        else:
+            self.reuse.touch(hashes, self._step)
 
     def note_computed(self, hashes: Sequence[bytes]) -> None:
         """Blocks the engine just computed (candidates for early copies on a declared link)."""

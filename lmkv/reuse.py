@@ -14,18 +14,20 @@ from it:
   question on the same document: the previous question's tail is never read again).
 - **the estimate**: the chance that a block about to be evicted will be needed from a
   tier (asked for again while the engine no longer holds it), by how many requests used
-  it and its lineage's kind (one request so far, extending, branching). Each block the
-  policy sees near eviction, and each ancestor it copies for one, is watched: a success if a later request needs it beyond
-  what the engine still holds, a miss if a request finds it still in the engine (a copy
-  would have been wasted) or if nobody asks for it within twice the slowest success seen
-  so far (it becomes a success after all if it is needed later; the horizon grows).
+  it, its lineage's kind (one request so far, extending, branching) and how long ago a
+  request last used it. Each block the policy sees near eviction, and each ancestor it
+  copies for one, is watched: a success if a later request needs it beyond what the
+  engine still holds, a miss if a request finds it still in the engine (a copy would
+  have been wasted) or if nobody asks for it within its class's horizon, twice the
+  slowest success seen in the class so far (it becomes a success after all if it is
+  needed later; the horizon grows).
   Outcomes are seen whether or not the block was copied (requests name their blocks
   either way), so skipping copies can never teach the estimate that they were useless.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,12 +35,23 @@ from dataclasses import dataclass
 MAX_USES = 4
 #: lineage kinds: one request so far, requests that extend the previous one, or branch off it
 SINGLE, EXTENDS, BRANCHES = 0, 1, 2
+#: idle time, steps since a request last used a block, in powers of four: under 16, 16-63,
+#: 64-255, 256-1023, 1024 and more (an agent session between two turns is idle for a tool
+#: call's length; one idle for much longer has ended). Powers of two measured worse: twice the
+#: classes, each learned twice as slowly.
+IDLE_BUCKETS = 5
 #: candidates whose outcome is being watched, and settled misses that may still turn into successes
 WATCH_LIMIT = 1 << 16
 #: the shortest watch before a candidate counts as not needed
 MIN_WATCH_STEPS = 256
-#: settled outcomes a (uses, kind) class needs before its estimate may stop a copy
-MIN_EVIDENCE = 8
+#: settled outcomes a class needs before its estimate may stop a copy (4 misses: 1/6)
+MIN_EVIDENCE = 4
+
+Class = tuple[int, int, int]  # (uses row, lineage kind, idle bucket)
+
+
+def idle_bucket(idle: int) -> int:
+    return min(IDLE_BUCKETS - 1, max(0, (idle.bit_length() - 3) // 2))
 
 
 @dataclass
@@ -62,7 +75,6 @@ class Lineage:
         return EXTENDS if self.extends >= self.branches else BRANCHES
 
 
-Outcome = tuple[tuple[int, int], int]  # (uses row, lineage kind), step first watched
 
 
 class ReuseModel:
@@ -72,16 +84,21 @@ class ReuseModel:
         """``remembered``: how many families and how many lineages are kept (the least recently
         seen are forgotten)."""
         self.uses: dict[bytes, int] = {}
+        self._touched: dict[bytes, int] = {}  # block -> the step a request last used it
         self._root: dict[bytes, bytes] = {}  # block -> the first page of its chain (its family)
         self._families: OrderedDict[bytes, Family] = OrderedDict()
         self._lineage_of: dict[bytes, bytes] = {}  # block past its family's shared pages -> its lineage
         self._lineages: OrderedDict[bytes, Lineage] = OrderedDict()
         self._remembered = remembered
-        self.needed = [[0] * 3 for _ in range(MAX_USES + 1)]
-        self.not_needed = [[0] * 3 for _ in range(MAX_USES + 1)]
-        self.horizon = MIN_WATCH_STEPS
-        self._watch: OrderedDict[bytes, Outcome] = OrderedDict()  # oldest first
-        self._missed: OrderedDict[bytes, Outcome] = OrderedDict()
+        self.needed: Counter[Class] = Counter()
+        self.not_needed: Counter[Class] = Counter()
+        #: per class: twice the slowest success seen (an agent's next turn comes within a tool
+        #: call, a document's next question maybe much later: one horizon would settle the
+        #: agents' misses only as late as the documents' successes)
+        self.horizon: dict[Class, int] = {}
+        self._watch: dict[Class, OrderedDict[bytes, int]] = {}  # per class: block -> step watched, oldest first
+        self._watched: dict[bytes, Class] = {}
+        self._missed: OrderedDict[bytes, tuple[Class, int]] = OrderedDict()
 
     # -- what requests show --------------------------------------------------
 
@@ -90,8 +107,13 @@ class ReuseModel:
         self._root[h] = root
 
     def forget(self, h: bytes) -> None:
-        for table in (self.uses, self._root, self._lineage_of):
+        for table in (self.uses, self._touched, self._root, self._lineage_of):
             table.pop(h, None)
+
+    def touch(self, hashes: Sequence[bytes], step: int) -> None:
+        """A request is using these blocks now (running, or just finished)."""
+        for h in hashes:
+            self._touched[h] = step
 
     def note_request(self, hashes: Sequence[bytes], cached: int, step: int) -> None:
         """A request was admitted with this chain, the engine holding its first ``cached`` pages."""
@@ -99,6 +121,7 @@ class ReuseModel:
         for i, h in enumerate(hashes):
             seen += h in self.uses
             self.uses[h] = self.uses.get(h, 0) + 1
+            self._touched[h] = step
             self._outcome(h, step, needed=i >= cached)
         fam = self._families.get(hashes[0])
         if fam is None:
@@ -151,45 +174,56 @@ class ReuseModel:
 
     # -- the estimate ----------------------------------------------------------
 
-    def _class(self, h: bytes) -> tuple[int, int]:
+    def _class(self, h: bytes, step: int) -> Class:
         lin = self._lineages.get(self._lineage_of.get(h, b""))
-        return min(self.uses.get(h, 0), MAX_USES), SINGLE if lin is None else lin.kind
+        return (min(self.uses.get(h, 0), MAX_USES), SINGLE if lin is None else lin.kind,
+                idle_bucket(step - self._touched.get(h, step)))
 
     def watch(self, h: bytes, step: int) -> float | None:
         """Start watching a block near eviction; the chance it will be needed from a tier, or None
         while blocks like it have too few settled outcomes to tell."""
-        c = self._class(h)
-        if h not in self._watch:
-            self._watch[h] = (c, step)
-        needed, not_needed = self.needed[c[0]][c[1]], self.not_needed[c[0]][c[1]]
-        if needed + not_needed < MIN_EVIDENCE:
-            return None
-        return (needed + 1) / (needed + not_needed + 2)
+        c = self._watched.get(h)
+        if c is None:
+            c = self._watched[h] = self._class(h, step)
+            fifo = self._watch.setdefault(c, OrderedDict())
+            fifo[h] = step
+            if len(self._watched) > WATCH_LIMIT:
+                self._settle_one(c, fifo)
+        return self.estimate(c)
+
+    def estimate(self, c: Class) -> float | None:
+        """The chance a block of class ``c`` is needed from a tier, or None while too few are settled."""
+        needed, n = self.needed[c], self.needed[c] + self.not_needed[c]
+        return None if n < MIN_EVIDENCE else (needed + 1) / (n + 2)
 
     def _outcome(self, h: bytes, step: int, needed: bool) -> None:
-        entry = self._watch.pop(h, None)
-        if entry is None and h in self._missed:
-            entry = self._missed.pop(h)
+        c = self._watched.pop(h, None)
+        if c is not None:
+            since = self._watch[c].pop(h)
+        elif h in self._missed:
+            c, since = self._missed.pop(h)
             if not needed:
                 return  # settled as a miss already, and still one
-            self.not_needed[entry[0][0]][entry[0][1]] -= 1  # needed after all: the horizon was short
-        if entry is None:
-            return
-        (row, col), since = entry
-        if needed:
-            self.needed[row][col] += 1
-            self.horizon = max(self.horizon, 2 * (step - since))
+            self.not_needed[c] -= 1  # needed after all: the class's horizon was short
         else:
-            self.not_needed[row][col] += 1
+            return
+        if needed:
+            self.needed[c] += 1
+            self.horizon[c] = max(self.horizon.get(c, MIN_WATCH_STEPS), 2 * (step - since))
+        else:
+            self.not_needed[c] += 1
+
+    def _settle_one(self, c: Class, fifo: OrderedDict[bytes, int]) -> None:
+        h, since = fifo.popitem(last=False)
+        del self._watched[h]
+        self.not_needed[c] += 1
+        self._missed[h] = (c, since)
+        if len(self._missed) > WATCH_LIMIT:
+            self._missed.popitem(last=False)
 
     def settle(self, step: int) -> None:
-        """Watched blocks nobody asked for within the horizon count as not needed."""
-        while self._watch:
-            h, (c, since) = next(iter(self._watch.items()))
-            if step - since <= self.horizon and len(self._watch) <= WATCH_LIMIT:
-                break
-            del self._watch[h]
-            self.not_needed[c[0]][c[1]] += 1
-            self._missed[h] = (c, since)
-            if len(self._missed) > WATCH_LIMIT:
-                self._missed.popitem(last=False)
+        """Watched blocks nobody asked for within their class's horizon count as not needed."""
+        for c, fifo in self._watch.items():
+            horizon = self.horizon.get(c, MIN_WATCH_STEPS)
+            while fifo and step - next(iter(fifo.values())) > horizon:
+                self._settle_one(c, fifo)

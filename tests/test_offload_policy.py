@@ -249,9 +249,10 @@ def test_without_a_link_blocks_seldom_needed_again_are_not_copied(engine):
         p = _policy(set(), link_bytes_per_step=link)
         for c in chains:
             p.note_chain(c)
-        assert all(p.reuse._class(t) == (1, BRANCHES) for t in tails)
-        p.reuse.not_needed[1][BRANCHES] = MIN_EVIDENCE  # blocks like these were never needed again
         p.note_step(200)  # a burst: everything is in danger
+        assert all(p.reuse._class(t, p._step)[:2] == (1, BRANCHES) for t in tails)
+        for t in tails:
+            p.reuse.not_needed[p.reuse._class(t, p._step)] = MIN_EVIDENCE  # blocks like these were never needed again
         picks = p.plan(queue)
         copied = {x.block_hash for x in picks}
         assert chains[2][1] in copied  # doc B's body: no evidence against it

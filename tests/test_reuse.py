@@ -1,6 +1,6 @@
 """The lazy policy's reuse model: lineages, and the learned chance of a block being needed again."""
 
-from lmkv.reuse import BRANCHES, EXTENDS, MIN_EVIDENCE, MIN_WATCH_STEPS, SINGLE, ReuseModel
+from lmkv.reuse import BRANCHES, EXTENDS, MIN_EVIDENCE, MIN_WATCH_STEPS, SINGLE, ReuseModel, idle_bucket
 
 
 def chain(*names: str) -> list[bytes]:
@@ -23,10 +23,10 @@ def test_agent_turns_extend_and_document_questions_branch():
     note(m, chain(*SYSTEM, "a0", "a1", "out", "a2"))  # the agent's next turn continues the whole first one
     note(m, chain(*SYSTEM, "d0", "d1", "q1"))  # another question leaves the first at the document's end
     note(m, chain(*SYSTEM, "d0", "d1", "q2"))
-    kind = lambda h: m._class(h.encode())[1]  # noqa: E731
+    kind = lambda h: m._class(h.encode(), 0)[1]  # noqa: E731
     assert kind("a2") == EXTENDS and kind("d1") == BRANCHES and kind("q2") == BRANCHES
     assert kind("sys0") == SINGLE  # the family's shared pages belong to no lineage
-    assert m._class(b"d0")[0] == 3 and m._class(b"q0")[0] == 1  # uses: the body thrice, a question's tail once
+    assert m._class(b"d0", 0)[0] == 3 and m._class(b"q0", 0)[0] == 1  # uses: the body thrice, a question's tail once
 
 
 def test_the_estimate_needs_evidence_and_learns_from_outcomes():
@@ -38,13 +38,15 @@ def test_the_estimate_needs_evidence_and_learns_from_outcomes():
     assert all(m.watch(c[-1], step=0) is None for c in tails)
     m.settle(MIN_WATCH_STEPS + 1)  # nobody asked for them within the horizon: not needed
     assert m.watch(b"new", step=MIN_WATCH_STEPS + 1) is None  # another class: still no evidence
-    note(m, chain(*SYSTEM, "docX", "qX"))
+    note(m, chain(*SYSTEM, "docX", "qX"), step=MIN_WATCH_STEPS + 2)
     p = m.watch(b"qX", step=MIN_WATCH_STEPS + 2)
     assert p is not None and p < 0.2
-    # one of them is asked for after all, beyond what the engine holds: a late success, the horizon grows
+    # one of them is asked for after all, beyond what the engine holds: a late success, the
+    # horizon of its class grows (and only of its class)
     note(m, tails[0], cached=2, step=10 * MIN_WATCH_STEPS)
-    assert m.needed[1][0] == 1 and m.not_needed[1][0] == MIN_EVIDENCE - 1
-    assert m.horizon >= 2 * (10 * MIN_WATCH_STEPS)
+    c = (1, SINGLE, 0)
+    assert m.needed[c] == 1 and m.not_needed[c] == MIN_EVIDENCE - 1
+    assert m.horizon[c] >= 2 * (10 * MIN_WATCH_STEPS) and len(m.horizon) == 1
 
 
 def test_a_block_the_engine_still_held_was_not_needed_from_a_tier():
@@ -53,10 +55,10 @@ def test_a_block_the_engine_still_held_was_not_needed_from_a_tier():
     note(m, c)
     m.watch(b"a1", step=1)
     note(m, c, cached=len(c), step=2)  # revived from the engine's own cache: a copy would have been wasted
-    assert m.not_needed[1][0] == 1 and m.needed[1][0] == 0
+    assert m.not_needed[(1, SINGLE, 0)] == 1 and m.needed[(1, SINGLE, 0)] == 0
     m.watch(b"a1", step=3)
     note(m, c, cached=2, step=4)  # evicted meanwhile: needed from a tier
-    assert m.needed[2][0] == 1
+    assert m.needed[(2, SINGLE, 0)] == 1
 
 
 def test_one_shot_families_and_forgetting():
@@ -71,3 +73,29 @@ def test_one_shot_families_and_forgetting():
     assert len(m._families) == 2
     m.forget(b"p3a")
     assert not m.one_shot(b"p3a", min_requests=8, min_rate=0.1)  # a block it no longer knows
+
+
+
+def test_idle_time_separates_a_session_between_turns_from_one_that_ended():
+    """Blocks are classed by how long ago a request used them: an agent's blocks near eviction
+    during a tool call (needed by the next turn) and long after its last turn (never needed)
+    learn apart, each class settling on its own horizon."""
+    assert [idle_bucket(i) for i in (0, 15, 16, 31, 32, 100, 1000, 10**6)] == [0, 0, 1, 1, 1, 2, 3, 4]
+    m = ReuseModel(remembered=1000)
+    note(m, chain(*SYSTEM, "another"))  # the family's shared pages: the system prompt
+    for s in range(MIN_EVIDENCE):
+        t0 = 10_000 * s
+        first, second = chain(*SYSTEM, f"s{s}a", "x"), chain(*SYSTEM, f"s{s}a", "x", f"s{s}b", "y")
+        note(m, first, step=t0)
+        m.touch(first, t0 + 5)  # the turn finishes
+        m.watch(f"s{s}a".encode(), t0 + 10)  # near eviction during the tool call
+        note(m, second, cached=2, step=t0 + 4000)  # a slow next turn needs it from a tier
+        m.touch(second, t0 + 4005)  # the last turn finishes
+        m.watch(f"s{s}b".encode(), t0 + 4005 + 600)  # near eviction long after
+        m.settle(t0 + 4005 + 600 + MIN_WATCH_STEPS + 1)  # settled although the other class waits longer
+    assert m.needed[(1, SINGLE, 0)] == MIN_EVIDENCE and m.horizon[(1, SINGLE, 0)] >= 2 * 3990
+    assert m.not_needed[(1, EXTENDS, idle_bucket(600))] == MIN_EVIDENCE
+    note(m, chain(*SYSTEM, "n", "z"), step=10**6)
+    assert m.watch(b"n", 10**6 + 3) > 0.8
+    note(m, chain(*SYSTEM, "n", "z", "m"), step=10**6 + 10)  # the lineage extends
+    assert m.watch(b"m", 10**6 + 10 + 600) < 0.2
