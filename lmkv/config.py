@@ -125,7 +125,7 @@ class OffloadConfig(_Section):
         16, ge=1, description="lazy: requests of a family (same first page) seen before judging its reuse")
     min_need_rate: float = Field(
         0.2, ge=0, le=1, description="lazy, without a declared link: a block about to be reused is not "
-        "copied when blocks like it (as often used, the same kind of session) were needed again from a "
+        "copied when blocks like it (as often used, the same kind of session, as long idle) were needed again from a "
         "tier less often than this (0: copy every due block)")
     min_reuse_rate: float = Field(
         0.1, ge=0, le=1, description="lazy: a family whose requests repeat most of an earlier prompt less "
