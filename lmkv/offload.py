@@ -15,7 +15,8 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
 - **prefix closure**: a page is only useful if every page before it in its chain is
   reachable too, so a block's cached ancestors that lmkv lacks are copied first, and
   a block whose ancestor is gone from both the engine and lmkv is not copied at all;
-- **drain cap**: at most ``drain_bytes_per_step`` are planned per step, the blocks
+- **drain cap**: at most ``drain_bytes_per_step`` are planned per step (on average: a
+  fraction of a page is carried over to the next step), the blocks
   nearest the head first (the first to be lost); while the cap binds, the zone grows
   (up to ``1 + LOOKAHEAD_GAIN`` times: in effect the whole queue), so copies start
   earlier and use the link's idle steps instead of losing blocks at the head; the walk
@@ -103,6 +104,9 @@ class LazyOffload:
         #: a declared link budget: keep the link busy with early copies (see OffloadConfig)
         self.link_bound = cfg.link_bytes_per_step is not None
         self.drain_bytes = int(cfg.link_bytes_per_step if self.link_bound else cfg.drain_bytes_per_step)
+        #: copy budget carried between steps (at most one page beyond a step's bytes), so that a cap
+        #: that is not a whole number of pages is kept on average: 1.5 pages a step plans 1, 2, 1, 2
+        self._credit = 0
         self.page_bytes = page_bytes
         self.in_tier = in_tier
         self.alloc_ema = 0.0
@@ -178,9 +182,12 @@ class LazyOffload:
 
     def plan(self, pool: FreeQueue, next_demand: int = 0) -> list[Pick]:
         """The copies to start this step (their blocks are protected until :meth:`done`)."""
-        budget = max(1, self.drain_bytes // self.page_bytes)
         if self.estimating:
             self.reuse.settle(self._step)
+        self._credit = min(self._credit + self.drain_bytes, self.drain_bytes + self.page_bytes)
+        budget = self._credit // self.page_bytes
+        if budget == 0:
+            return []  # a link slower than a page a step: this step's share is carried over
         # When the cap has been binding, look further ahead: copies must start earlier to finish in time.
         due_depth = self.danger_depth(next_demand)
         depth = int(due_depth * (1 + LOOKAHEAD_GAIN * self._binding))
@@ -211,6 +218,7 @@ class LazyOffload:
         if self.link_bound:
             self._fill(pool, picks, chosen, budget)
         self._binding = 0.9 * self._binding + 0.1 * (len(picks) >= budget)
+        self._credit -= len(picks) * self.page_bytes
         if picks:
             pool.protect([p.block_id for p in picks])
             for p in picks:

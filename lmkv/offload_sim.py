@@ -107,10 +107,10 @@ class _Run:
         self.evicted_unwritten: set[bytes] = set()
         self.evicted: set[bytes] = set()
         self.pending: deque[bytes] = deque()  # eager copies not yet done
+        self.credit = 0  # eager: link bytes carried over (a link of 1.5 pages a step copies 1, 2, 1, 2)
         lazy_cfg = cfg.lazy
         if cfg.d2h_bytes_per_step is not None:  # the simulated link is declared to the policy
-            cap = max(1, cfg.d2h_bytes_per_step // cfg.page_bytes) * cfg.page_bytes
-            lazy_cfg = lazy_cfg.model_copy(update={"link_bytes_per_step": cap})
+            lazy_cfg = lazy_cfg.model_copy(update={"link_bytes_per_step": cfg.d2h_bytes_per_step})
         self.lazy = LazyOffload(lazy_cfg, cfg.page_bytes, self.tier.__contains__) if policy == "lazy" else None
         self.inflight: list[Pick] = []
         self.by_id = {r.id: r for r in trace}
@@ -254,17 +254,19 @@ class _Run:
         self.res.bytes_written += self.cfg.page_bytes
 
     def copies(self) -> None:
-        cap = None if self.cfg.d2h_bytes_per_step is None else max(1, self.cfg.d2h_bytes_per_step // self.cfg.page_bytes)
+        link, page = self.cfg.d2h_bytes_per_step, self.cfg.page_bytes
         if self.policy == "eager":
-            done = 0
-            while self.pending and (cap is None or done < cap):
+            if link is not None:
+                self.credit = min(self.credit + link, link + page)
+            while self.pending and (link is None or self.credit >= page):
                 h = self.pending.popleft()
                 if h in self.tier:
                     continue
                 if self.pool.cached_block_hash_to_block.get_one_block(h) is None:
                     continue  # evicted before its copy: counted as lost when asked for
                 self.write(h)
-                done += 1
+                if link is not None:
+                    self.credit -= page
             self.res.peak_pending_bytes = max(self.res.peak_pending_bytes, len(self.pending) * self.cfg.page_bytes)
         elif self.lazy is not None:
             # the copies planned last step finished: check their snapshot, release their blocks

@@ -107,6 +107,32 @@ def test_drain_cap_takes_the_oldest_pages_first(engine):
     p.done(first, queue)
 
 
+@pytest.mark.parametrize("pages_per_step, expected", [(1.5, [1, 2, 1, 2]), (0.5, [0, 1, 0, 1]), (2, [2, 2, 2, 2])])
+def test_a_cap_of_a_fraction_of_pages_is_kept_on_average(engine, pages_per_step, expected):
+    """A link of 1.5 pages a step copies 1, 2, 1, 2 pages (not 1 every step: a third less than
+    declared); unused budget is not banked beyond a page."""
+    mgr, queue, finish = engine
+    chain = finish("a", list(range(3, 3 + 12 * BS)))
+    tier: set = set()
+    p = _policy(tier, drain_bytes_per_step=int(pages_per_step * (1 << 20)))
+    p.note_chain(chain)
+    counts = []
+    for _ in expected:
+        p.note_step(200)
+        picks = p.plan(queue)
+        counts.append(len(picks))
+        tier.update(x.block_hash for x in picks)
+        p.done(picks, queue)
+    assert counts == expected
+    tier.clear()
+    idle = _policy(tier, drain_bytes_per_step=int(pages_per_step * (1 << 20)))
+    for _ in range(5):
+        idle.plan(queue)  # nothing to copy: steps pass with the budget unused
+    idle.note_chain(chain)
+    idle.note_step(200)
+    assert len(idle.plan(queue)) == int(pages_per_step + 1)  # at most one page carried over
+
+
 def test_the_zone_is_walked_only_until_the_steps_copies_are_planned(engine):
     mgr, queue, finish = engine
     chains = [finish(f"r{i}", list(range(100 * i + 3, 100 * i + 3 + 2 * BS))) for i in range(4)]
