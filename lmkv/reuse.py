@@ -51,6 +51,7 @@ Class = tuple[int, int, int]  # (uses row, lineage kind, idle bucket)
 
 
 def idle_bucket(idle: int) -> int:
+    """The idle-time bucket of a block a request last used ``idle`` steps ago."""
     return min(IDLE_BUCKETS - 1, max(0, (idle.bit_length() - 3) // 2))
 
 
