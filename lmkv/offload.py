@@ -32,9 +32,11 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
   can never make a family look one-shot;
 - **need estimate**: without a declared link, a due block is skipped when blocks like
   it (as often used; in an agent-like session, a document-like one, or a single
-  request) were needed again from a tier less often than ``min_need_rate``, learned
-  from what came back (:mod:`lmkv.reuse`): an agent session's blocks near eviction
-  belong to a session that has ended, a question's tail is never asked again.
+  request; as long idle) were needed again from a tier less often than
+  ``min_need_rate``, learned from what came back (:mod:`lmkv.reuse`): a question's
+  tail is never asked again. A block of an agent-like session is also skipped when
+  sessions idle as long as it has been seldom got another turn (learned from every
+  session's gaps between turns): its session has ended.
 
 Only the danger zone is walked each step (O(depth), not O(blocks)), and only until the
 step's copies are planned. The engine side is the :class:`FreeQueue` protocol;
@@ -226,6 +228,14 @@ class LazyOffload:
             self.stats.planned += len(picks)
         return picks
 
+    def _with_lineage(self, h: bytes) -> bytes:
+        """``h``, or if it is in no lineage (decoding filled it: it is its chain's first block to be
+        evicted and, through prefix closure, decides for the whole chain) its nearest ancestor that is."""
+        cur: bytes | None = h
+        while cur is not None and not self.reuse.in_lineage(cur):
+            cur = self._parent.get(cur)
+        return h if cur is None else cur
+
     def _zone(self, pool: FreeQueue, depth: int, due_depth: int) -> Iterator[tuple[bytes, bool]]:
         """Blocks worth copying within ``depth`` of the queue's head, nearest first, each with whether
         it is due (within ``due_depth``) or only looked ahead at. A generator: the walk stops where
@@ -237,7 +247,8 @@ class LazyOffload:
                 continue
             if self.estimating:
                 need = self.reuse.watch(h, self._step)
-                if need is not None and need < self.cfg.min_need_rate:
+                turn = self.reuse.another_turn(self._with_lineage(h), self._step)
+                if any(p is not None and p < self.cfg.min_need_rate for p in (need, turn)):
                     self.stats.unlikely += 1
                     continue
             yield h, i < due_depth

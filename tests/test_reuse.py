@@ -99,3 +99,30 @@ def test_idle_time_separates_a_session_between_turns_from_one_that_ended():
     assert m.watch(b"n", 10**6 + 3) > 0.8
     note(m, chain(*SYSTEM, "n", "z", "m"), step=10**6 + 10)  # the lineage extends
     assert m.watch(b"m", 10**6 + 10 + 600) < 0.2
+
+
+def test_an_agent_session_idle_far_longer_than_its_turns_gaps_has_ended():
+    """The chance of another turn is learned from every session's gaps between requests (not only
+    from blocks near eviction): sessions whose turns came within 20 steps and that then fell
+    silent teach that one idle for 600 steps has ended, and one idle for 5 has not."""
+    m = ReuseModel(remembered=1000)
+    note(m, chain(*SYSTEM, "another"))
+    step = 0
+    for s in range(2 * MIN_EVIDENCE):
+        history = [*SYSTEM, f"s{s}"]
+        for t in range(5):  # five turns, each continuing the whole previous one, 10-20 steps apart
+            history = history + [f"s{s}t{t}"]
+            note(m, chain(*history), cached=len(history) - 1, step=step)
+            m.touch(chain(*history), step + 5)  # the turn finishes
+            step += 15 + t
+        m.settle(step)
+    m.settle(step + 2 * MIN_WATCH_STEPS + 1)  # the sessions that fell silent count as ended
+    last = chain(*SYSTEM, "s0", "s0t0", "s0t1", "s0t2", "s0t3", "s0t4")
+    assert m.another_turn(last[-1], step + 2 * MIN_WATCH_STEPS + 1) < 0.2
+    live = [*SYSTEM, "live", "livet0"]
+    note(m, chain(*live), step=step + 1000)
+    note(m, chain(*live, "livet1"), cached=3, step=step + 1010)  # it extends: an agent-like session
+    assert m.another_turn(b"livet1", step + 1015) > 0.6  # three gaps seen per session for one end
+    note(m, chain(*SYSTEM, "doc", "q0"), step=step + 1100)
+    note(m, chain(*SYSTEM, "doc", "q1"), step=step + 1110)  # it branches: a document's questions
+    assert m.another_turn(b"doc", step + 2000) is None
