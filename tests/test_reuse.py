@@ -117,12 +117,18 @@ def test_an_agent_session_idle_far_longer_than_its_turns_gaps_has_ended():
             step += 15 + t
         m.settle(step)
     m.settle(step + 2 * MIN_WATCH_STEPS + 1)  # the sessions that fell silent count as ended
-    last = chain(*SYSTEM, "s0", "s0t0", "s0t1", "s0t2", "s0t3", "s0t4")
-    assert m.another_turn(last[-1], step + 2 * MIN_WATCH_STEPS + 1) < 0.2
+    assert m._ended == 2 * MIN_EVIDENCE
+    last = chain(*SYSTEM, "s1", "s1t0", "s1t1", "s1t2", "s1t3", "s1t4")
+    assert m.another_turn(last[-1], step + 600) < 0.2
+    late = chain(*SYSTEM, "s0", "s0t0", "s0t1", "s0t2", "s0t3", "s0t4", "late")
+    note(m, late, cached=len(late) - 1, step=step + 3000)  # one comes back after all, 3000 steps on
+    assert m._ended == 2 * MIN_EVIDENCE - 1  # counted back
+    assert m._gap_horizon == MIN_WATCH_STEPS  # one session held up for long does not set the horizon
+    step += 4000
     live = [*SYSTEM, "live", "livet0"]
-    note(m, chain(*live), step=step + 1000)
-    note(m, chain(*live, "livet1"), cached=3, step=step + 1010)  # it extends: an agent-like session
-    assert m.another_turn(b"livet1", step + 1015) > 0.6  # three gaps seen per session for one end
-    note(m, chain(*SYSTEM, "doc", "q0"), step=step + 1100)
-    note(m, chain(*SYSTEM, "doc", "q1"), step=step + 1110)  # it branches: a document's questions
-    assert m.another_turn(b"doc", step + 2000) is None
+    note(m, chain(*live), step=step)
+    note(m, chain(*live, "livet1"), cached=3, step=step + 10)  # it extends: an agent-like session
+    assert m.another_turn(b"livet1", step + 15) > 0.6  # three gaps seen per session for one end
+    note(m, chain(*SYSTEM, "doc", "q0"), step=step + 100)
+    note(m, chain(*SYSTEM, "doc", "q1"), step=step + 110)  # it branches: a document's questions
+    assert m.another_turn(b"doc", step + 1000) is None
