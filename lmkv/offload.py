@@ -79,6 +79,25 @@ class FreeQueue(Protocol):
 LOOKAHEAD_GAIN = 512.0
 
 
+@dataclass
+class CopyBudget:
+    """A copy link's bytes per step, kept on average when they are not a whole number of pages: the
+    fraction left is carried over (at most one page beyond a step's bytes, so an idle link does not
+    bank time), so 1.5 pages a step copies 1, 2, 1, 2 pages rather than 1 each step."""
+
+    bytes_per_step: int
+    page_bytes: int
+    credit: int = 0
+
+    def refill(self) -> int:
+        """A new step: the whole pages that may be copied in it."""
+        self.credit = min(self.credit + self.bytes_per_step, self.bytes_per_step + self.page_bytes)
+        return self.credit // self.page_bytes
+
+    def spend(self, pages: int) -> None:
+        self.credit -= pages * self.page_bytes
+
+
 @dataclass(frozen=True)
 class Pick:
     """A block chosen for a copy, with its hash as it was when chosen (the snapshot)."""
@@ -105,11 +124,8 @@ class LazyOffload:
         self.cfg = cfg
         #: a declared link budget: keep the link busy with early copies (see OffloadConfig)
         self.link_bound = cfg.link_bytes_per_step is not None
-        self.drain_bytes = int(cfg.link_bytes_per_step if self.link_bound else cfg.drain_bytes_per_step)
-        #: copy budget carried between steps (at most one page beyond a step's bytes), so that a cap
-        #: that is not a whole number of pages is kept on average: 1.5 pages a step plans 1, 2, 1, 2
-        self._credit = 0
-        self.page_bytes = page_bytes
+        self.budget = CopyBudget(
+            int(cfg.link_bytes_per_step if self.link_bound else cfg.drain_bytes_per_step), page_bytes)
         self.in_tier = in_tier
         self.alloc_ema = 0.0
         self._binding = 0.0  # how often the drain cap has been binding lately (EMA of 0/1)
@@ -186,8 +202,7 @@ class LazyOffload:
         """The copies to start this step (their blocks are protected until :meth:`done`)."""
         if self.estimating:
             self.reuse.settle(self._step)
-        self._credit = min(self._credit + self.drain_bytes, self.drain_bytes + self.page_bytes)
-        budget = self._credit // self.page_bytes
+        budget = self.budget.refill()
         if budget == 0:
             return []  # a link slower than a page a step: this step's share is carried over
         # When the cap has been binding, look further ahead: copies must start earlier to finish in time.
@@ -220,7 +235,7 @@ class LazyOffload:
         if self.link_bound:
             self._fill(pool, picks, chosen, budget)
         self._binding = 0.9 * self._binding + 0.1 * (len(picks) >= budget)
-        self._credit -= len(picks) * self.page_bytes
+        self.budget.spend(len(picks))
         if picks:
             pool.protect([p.block_id for p in picks])
             for p in picks:
@@ -236,6 +251,16 @@ class LazyOffload:
             cur = self._parent.get(cur)
         return h if cur is None else cur
 
+    def _unlikely(self, h: bytes) -> bool:
+        """Whether blocks like ``h`` were seldom needed again, or its agent-like session has likely
+        ended (asked only when the first does not already say so: it walks to a lineage)."""
+        rate = self.cfg.min_need_rate
+        need = self.reuse.watch(h, self._step)
+        if need is not None and need < rate:
+            return True
+        turn = self.reuse.another_turn(self._with_lineage(h), self._step)
+        return turn is not None and turn < rate
+
     def _zone(self, pool: FreeQueue, depth: int, due_depth: int) -> Iterator[tuple[bytes, bool]]:
         """Blocks worth copying within ``depth`` of the queue's head, nearest first, each with whether
         it is due (within ``due_depth``) or only looked ahead at. A generator: the walk stops where
@@ -245,12 +270,9 @@ class LazyOffload:
                 return
             if h is None or self.in_tier(h) or h in self.inflight or self._one_shot(h):
                 continue
-            if self.estimating:
-                need = self.reuse.watch(h, self._step)
-                turn = self.reuse.another_turn(self._with_lineage(h), self._step)
-                if any(p is not None and p < self.cfg.min_need_rate for p in (need, turn)):
-                    self.stats.unlikely += 1
-                    continue
+            if self.estimating and self._unlikely(h):
+                self.stats.unlikely += 1
+                continue
             yield h, i < due_depth
 
     def _fill(self, pool: FreeQueue, picks: list[Pick], chosen: set[bytes], budget: int) -> None:

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lmkv.config import OffloadConfig
-from lmkv.offload import LazyOffload, Pick
+from lmkv.offload import CopyBudget, LazyOffload, Pick
 from lmkv.traces import TraceRequest
 
 
@@ -107,7 +107,8 @@ class _Run:
         self.evicted_unwritten: set[bytes] = set()
         self.evicted: set[bytes] = set()
         self.pending: deque[bytes] = deque()  # eager copies not yet done
-        self.credit = 0  # eager: link bytes carried over (a link of 1.5 pages a step copies 1, 2, 1, 2)
+        #: eager's copies through the simulated link (lazy declares it to its policy, which keeps it)
+        self.link = None if cfg.d2h_bytes_per_step is None else CopyBudget(cfg.d2h_bytes_per_step, cfg.page_bytes)
         lazy_cfg = cfg.lazy
         if cfg.d2h_bytes_per_step is not None:  # the simulated link is declared to the policy
             lazy_cfg = lazy_cfg.model_copy(update={"link_bytes_per_step": cfg.d2h_bytes_per_step})
@@ -254,19 +255,19 @@ class _Run:
         self.res.bytes_written += self.cfg.page_bytes
 
     def copies(self) -> None:
-        link, page = self.cfg.d2h_bytes_per_step, self.cfg.page_bytes
         if self.policy == "eager":
-            if link is not None:
-                self.credit = min(self.credit + link, link + page)
-            while self.pending and (link is None or self.credit >= page):
+            pages = None if self.link is None else self.link.refill()
+            done = 0
+            while self.pending and (pages is None or done < pages):
                 h = self.pending.popleft()
                 if h in self.tier:
                     continue
                 if self.pool.cached_block_hash_to_block.get_one_block(h) is None:
                     continue  # evicted before its copy: counted as lost when asked for
                 self.write(h)
-                if link is not None:
-                    self.credit -= page
+                done += 1
+            if self.link is not None:
+                self.link.spend(done)
             self.res.peak_pending_bytes = max(self.res.peak_pending_bytes, len(self.pending) * self.cfg.page_bytes)
         elif self.lazy is not None:
             # the copies planned last step finished: check their snapshot, release their blocks
