@@ -96,11 +96,11 @@ class Variant:
         out = self.llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)
         return time.perf_counter() - t0, list(out[0].outputs[0].token_ids)
 
-    def workload(self, shape: Shape, vocab: int, doc_seed: int = 100) -> tuple[float, list[list[int]]]:
+    def workload(self, shape: Shape, vocab: int) -> tuple[float, list[list[int]]]:
         from vllm import SamplingParams
 
         sp = SamplingParams(max_tokens=8, temperature=0, detokenize=False, ignore_eos=True)
-        docs = [_tokens(_doc_len(shape, d), doc_seed + d, vocab) for d in range(shape.docs)]
+        docs = [_tokens(_doc_len(shape, d), 100 + d, vocab) for d in range(shape.docs)]
         outs = []
         t0 = time.perf_counter()
         for r in range(shape.rounds):
