@@ -278,7 +278,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         self._requests.pop(request.request_id, None)
-        return self.scheduler.finish(request.request_id), None
+        return self.scheduler.finish(request.request_id, request.block_hashes), None
 
     # -- worker side -------------------------------------------------------------
 

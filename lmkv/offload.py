@@ -164,6 +164,11 @@ class LazyOffload:
         else:
             self.reuse.touch(hashes, self._step)
 
+    def note_finished(self, hashes: Sequence[bytes]) -> None:
+        """A request finished with this chain (the pages its answer filled included)."""
+        self.note_chain(hashes, used=False)
+        self.reuse.finish(hashes, self._step)
+
     def note_computed(self, hashes: Sequence[bytes]) -> None:
         """Blocks the engine just computed (candidates for early copies on a declared link)."""
         if self.link_bound:

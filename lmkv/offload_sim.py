@@ -123,6 +123,7 @@ class _Run:
             else:
                 self.arrivals.setdefault(r.arrival, []).append(r)
         self.outputs: dict[str, list[int]] = {}
+        self.noted: set[str] = set()  # requests whose use of their prefix the lazy policy has been told
         self.waiting: deque = deque()
         self.running: list = []
         self.remaining = len(trace)
@@ -188,8 +189,9 @@ class _Run:
             self.res.hit_tokens += hit
             self.res.computed_tokens += n - hbm_tokens - hit
             req.num_computed_tokens = n
-            if self.lazy is not None and hashes:
-                self.lazy.note_chain(hashes, cached=hbm_tokens // bs)
+            if self.lazy is not None and hashes:  # a preempted request resumed is not another use (as in the connector)
+                self.lazy.note_chain(hashes, used=req.request_id not in self.noted, cached=hbm_tokens // bs)
+                self.noted.add(req.request_id)
                 self.lazy.note_computed(hashes[hbm_tokens // bs + tier_blocks:])
             if self.policy == "eager":
                 first = hbm_tokens // bs + tier_blocks
@@ -204,7 +206,7 @@ class _Run:
         k = len(req.output_token_ids)
         if k >= len(out):
             if self.lazy is not None:  # link the blocks decoding filled to their chain
-                self.lazy.note_chain([self.key(h) for h in req.block_hashes], used=False)
+                self.lazy.note_finished([self.key(h) for h in req.block_hashes])
             self.mgr.free(req)
             self.finish_trace(req, step)
             return

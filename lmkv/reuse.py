@@ -52,6 +52,10 @@ MIN_EVIDENCE = 4
 Class = tuple[int, int, int]  # (uses row, lineage kind, idle bucket)
 
 
+def _gap_bucket(idle: int) -> int:
+    return min(GAP_BUCKETS - 1, max(0, idle).bit_length())
+
+
 def idle_bucket(idle: int) -> int:
     """The idle-time bucket of a block a request last used ``idle`` steps ago."""
     return min(IDLE_BUCKETS - 1, max(0, (idle.bit_length() - 3) // 2))
@@ -67,10 +71,11 @@ class Family:
 @dataclass
 class Lineage:
     requests: int = 0
-    leaf: bytes | None = None  # the latest request's last page
+    leaf: bytes | None = None  # the latest request's last page (once it finished: its answer's)
     extends: int = 0
     branches: int = 0
-    last_seen: int = 0  # the step a request of the lineage last ran
+    last_seen: int = 0  # the step a request of the lineage was last admitted or finished
+    running: bool = False  # the latest request has not finished
 
     @property
     def kind(self) -> int:
@@ -103,16 +108,14 @@ class ReuseModel:
         self._watch: dict[Class, OrderedDict[bytes, int]] = {}  # per class: block -> step watched, oldest first
         self._watched: dict[bytes, Class] = {}
         self._missed: OrderedDict[bytes, tuple[Class, int]] = OrderedDict()
-        #: extending lineages (agent-like sessions): the gaps seen between a request's last step and
-        #: the lineage's next request (powers of two), how many had none within the horizon (twice
-        #: the gap 9 in 10 of them came within: one session held up for long must not hold every
-        #: ended one unsettled as long; one that returns after all is counted back), the lineages
-        #: waiting for their next request (oldest first) and those counted as ended
+        #: extending lineages (agent-like sessions), by idle time in powers of two: how many sessions
+        #: have been idle that long (``_reached``: counted as each crosses into a bucket, whether it
+        #: returns later or not) and how many of them came back after such a gap (``_gaps``); the
+        #: sessions waiting for a next request, per the bucket their idle time is in now (oldest first)
         self._gaps = [0] * GAP_BUCKETS
-        self._ended = 0
-        self._gap_horizon = MIN_WATCH_STEPS
-        self._waiting: OrderedDict[bytes, int] = OrderedDict()
-        self._ended_keys: OrderedDict[bytes, None] = OrderedDict()
+        self._reached = [0] * GAP_BUCKETS
+        self._idle: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(GAP_BUCKETS)]
+        self._bucket: dict[bytes, int] = {}  # waiting lineage -> its bucket
 
     # -- what requests show --------------------------------------------------
 
@@ -125,14 +128,22 @@ class ReuseModel:
             table.pop(h, None)
 
     def touch(self, hashes: Sequence[bytes], step: int) -> None:
-        """A request is using these blocks now (running, or just finished)."""
+        """A request is using these blocks now (running)."""
         for h in hashes:
             self._touched[h] = step
-        for h in reversed(hashes):  # the deepest page with a lineage (decoding's pages have none)
-            key = self._lineage_of.get(h)
+
+    def finish(self, hashes: Sequence[bytes], step: int) -> None:
+        """A request finished with this chain (its answer's pages included): if it is its lineage's
+        latest, the lineage's leaf is its answer's last page (an agent's next turn continues it, another
+        question on a document does not) and the lineage waits for its next request from now."""
+        self.touch(hashes, step)
+        for i in range(len(hashes) - 1, -1, -1):  # the deepest page with a lineage (decoding's pages have none)
+            key = self._lineage_of.get(hashes[i])
             if key is not None:
                 lin = self._lineages.get(key)
-                if lin is not None:
+                if lin is not None and lin.running and lin.leaf in hashes[i:]:
+                    lin.leaf = hashes[-1]
+                    lin.running = False
                     self._wait(key, lin, step)
                 return
 
@@ -176,57 +187,63 @@ class ReuseModel:
             lin = self._add_lineage(key, Lineage())
         else:
             self._lineages.move_to_end(key)
-            self._returned(key, lin, step)
-            if lin.leaf in hashes[n:]:
-                lin.extends += 1
-            else:
+            if lin.running:  # the latest request still runs: this one goes beside it, not after it
                 lin.branches += 1
+            else:
+                self._returned(key, lin, step)
+                if lin.leaf in hashes[n:]:
+                    lin.extends += 1
+                else:
+                    lin.branches += 1
         lin.requests += 1
         lin.leaf = hashes[-1]
+        lin.running = True
+        lin.last_seen = step
+        self._stop_waiting(key)
         for h in hashes[n:]:
             self._lineage_of[h] = key
-        self._wait(key, lin, step)
 
     # -- whether an agent-like session gets another turn -----------------------
 
+    def _stop_waiting(self, key: bytes) -> None:
+        b = self._bucket.pop(key, None)
+        if b is not None:
+            del self._idle[b][key]
+
     def _wait(self, key: bytes, lin: Lineage, step: int) -> None:
-        """A request of the lineage ran at ``step``: if the lineage extends, wait for its next one."""
+        """The lineage's latest request finished at ``step``: if the lineage extends, wait for its next."""
         lin.last_seen = step
-        self._waiting.pop(key, None)
+        self._stop_waiting(key)
         if lin.kind == EXTENDS:
-            self._waiting[key] = step
+            self._bucket[key] = 0
+            self._idle[0][key] = step
+            self._reached[0] += 1
 
     def _returned(self, key: bytes, lin: Lineage, step: int) -> None:
-        """The lineage's next request arrived: one more gap seen (and one ended lineage fewer, if it had
-        been counted as ended)."""
-        if self._waiting.pop(key, None) is None:
-            if key not in self._ended_keys:
-                return
-            del self._ended_keys[key]
-            self._ended -= 1
-        gap = max(0, step - lin.last_seen)
-        self._gaps[min(GAP_BUCKETS - 1, gap.bit_length())] += 1
-        seen, total = 0, sum(self._gaps)
-        for b, n in enumerate(self._gaps):
-            seen += n
-            if seen >= 0.9 * total:
-                self._gap_horizon = max(MIN_WATCH_STEPS, 2 << b)
-                break
+        """The lineage's next request arrived: one more session came back after its gap."""
+        b = self._bucket.get(key)
+        if b is None:
+            return  # not an extending lineage (or forgotten): its gap says nothing about sessions
+        gap = _gap_bucket(step - lin.last_seen)
+        for j in range(b + 1, gap + 1):  # crossings not settled yet
+            self._reached[j] += 1
+        self._gaps[gap] += 1
 
     def another_turn(self, h: bytes, step: int) -> float | None:
         """For a block of an extending lineage (an agent-like session), the chance of another request,
-        given how long the lineage has been idle: gaps at least that long seen so far against sessions
-        that never had another. Learned from every request, not only from blocks near eviction, so it
-        soon knows that a session idle far longer than its turns' gaps has ended. None for other
-        blocks, and before there is evidence. (Documents' questions come at irregular times: the same
-        estimate on branching lineages stopped copies they needed, a third of their hits, measured.)"""
+        given how long the lineage has been idle: of the sessions seen idle that long, how many came
+        back. A session still waiting counts as not (yet) back, so the estimate knows as soon as
+        sessions have been idle far longer than their turns' gaps, without waiting out a horizon;
+        learned from every request, not only from blocks near eviction. None for other blocks, and
+        before there is evidence. (Documents' questions come at irregular times: the same estimate on
+        branching lineages stopped copies they needed, a third of their hits, measured.)"""
         lin = self._lineages.get(self._lineage_of.get(h, b""))
         if lin is None or lin.kind != EXTENDS:
             return None
-        longer = sum(self._gaps[min(GAP_BUCKETS - 1, max(0, step - lin.last_seen).bit_length()):])
-        if longer + self._ended < MIN_EVIDENCE:
+        b = _gap_bucket(step - lin.last_seen)
+        if self._reached[b] < MIN_EVIDENCE:
             return None
-        return (longer + 1) / (longer + self._ended + 2)
+        return (sum(self._gaps[b:]) + 1) / (self._reached[b] + 2)
 
     def _add_lineage(self, key: bytes, lin: Lineage) -> Lineage:
         self._lineages[key] = lin
@@ -290,13 +307,14 @@ class ReuseModel:
 
     def settle(self, step: int) -> None:
         """Watched blocks nobody asked for within their class's horizon count as not needed, and
-        sessions with no next request within the gaps' horizon as ended."""
-        while self._waiting and step - next(iter(self._waiting.values())) > self._gap_horizon:
-            key, _ = self._waiting.popitem(last=False)
-            self._ended += 1
-            self._ended_keys[key] = None
-            if len(self._ended_keys) > WATCH_LIMIT:
-                self._ended_keys.popitem(last=False)
+        waiting sessions' idle time moves on."""
+        for b in range(GAP_BUCKETS - 1):  # sessions whose idle time crossed into the next bucket
+            fifo, nxt = self._idle[b], self._idle[b + 1]
+            while fifo and step - next(iter(fifo.values())) >= 1 << b:
+                key, since = fifo.popitem(last=False)
+                nxt[key] = since
+                self._bucket[key] = b + 1
+                self._reached[b + 1] += 1
         for c, fifo in self._watch.items():
             horizon = self.horizon.get(c, MIN_WATCH_STEPS)
             while fifo and step - next(iter(fifo.values())) > horizon:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -277,20 +277,24 @@ class OffloadScheduler:
     def _remember(self, st: RequestState, block_hashes: Sequence[bytes], full: int) -> None:
         """Name the engine's blocks of a request's pages (so a planned block maps to a page key)
         and tell the policy the chain; a request's first report counts as a use of its prefix."""
-        assert self.lazy is not None and self._engine_key is not None
-        n = min(full, len(block_hashes))
-        for g, layout in enumerate(self.groups):
-            if layout.growth is Growth.PER_SEQUENCE:
-                continue
-            eks = [self._engine_key(g, h) for h in block_hashes[:n]]
-            for p in range(st.stored_upto, n):
+        assert self.lazy is not None
+        for g, eks in self._engine_chains(block_hashes[:full]):
+            for p in range(st.stored_upto, len(eks)):
                 self._engine_pages[eks[p]] = (g, st.seq.chains[p])
                 self._engine_pages.move_to_end(eks[p])
             self.lazy.note_chain(eks, used=not st.noted, cached=st.local_pages)
-            self.lazy.note_computed(eks[st.stored_upto:n])
+            self.lazy.note_computed(eks[st.stored_upto:])
         st.noted = True
         while len(self._engine_pages) > self.lazy.cfg.chain_memory:
             self._engine_pages.popitem(last=False)
+
+    def _engine_chains(self, block_hashes: Sequence[bytes]) -> Iterator[tuple[int, list[bytes]]]:
+        """The engine's block keys of a request's full blocks, per cache group whose blocks sit in the
+        free queue (one state per sequence is stored when computed, not lazily)."""
+        assert self._engine_key is not None
+        for g, layout in enumerate(self.groups):
+            if layout.growth is not Growth.PER_SEQUENCE:
+                yield g, [self._engine_key(g, h) for h in block_hashes]
 
     def _engine_resident(self, engine_hash: bytes) -> bool:
         """Whether lmkv holds the page in an engine block (a block lmkv cannot name counts as held:
@@ -359,8 +363,10 @@ class OffloadScheduler:
 
     # -- finalization ----------------------------------------------------------
 
-    def finish(self, req_id: str) -> bool:
-        """Compute finished; returns whether the engine must hold the request's blocks.
+    def finish(self, req_id: str, block_hashes: Sequence[bytes] = ()) -> bool:
+        """Compute finished (``block_hashes``: the engine's hash of each of the request's full blocks, its
+        answer's included, for lazy offload's reuse estimate); returns whether the engine must hold the
+        request's blocks.
 
         The request's last full page was planned in the step that computed it and
         copied out before that step ended, so stores never need the blocks held. (A
@@ -371,4 +377,8 @@ class OffloadScheduler:
         if st is not None:
             for lease in st.pins:
                 lease.release()
+            if self.lazy_active and st.noted:
+                assert self.lazy is not None
+                for _, eks in self._engine_chains(block_hashes):
+                    self.lazy.note_finished(eks)
         return False

@@ -87,16 +87,17 @@ def test_idle_time_separates_a_session_between_turns_from_one_that_ended():
         t0 = 10_000 * s
         first, second = chain(*SYSTEM, f"s{s}a", "x"), chain(*SYSTEM, f"s{s}a", "x", f"s{s}b", "y")
         note(m, first, step=t0)
-        m.touch(first, t0 + 5)  # the turn finishes
+        m.finish(first, t0 + 5)  # the turn finishes
         m.watch(f"s{s}a".encode(), t0 + 10)  # near eviction during the tool call
         note(m, second, cached=2, step=t0 + 4000)  # a slow next turn needs it from a tier
-        m.touch(second, t0 + 4005)  # the last turn finishes
+        m.finish(second, t0 + 4005)  # the last turn finishes
         m.watch(f"s{s}b".encode(), t0 + 4005 + 600)  # near eviction long after
         m.settle(t0 + 4005 + 600 + MIN_WATCH_STEPS + 1)  # settled although the other class waits longer
     assert m.needed[(1, SINGLE, 0)] == MIN_EVIDENCE and m.horizon[(1, SINGLE, 0)] >= 2 * 3990
     assert m.not_needed[(1, EXTENDS, idle_bucket(600))] == MIN_EVIDENCE
     note(m, chain(*SYSTEM, "n", "z"), step=10**6)
     assert m.watch(b"n", 10**6 + 3) > 0.8
+    m.finish(chain(*SYSTEM, "n", "z"), 10**6 + 5)
     note(m, chain(*SYSTEM, "n", "z", "m"), step=10**6 + 10)  # the lineage extends
     assert m.watch(b"m", 10**6 + 10 + 600) < 0.2
 
@@ -104,31 +105,51 @@ def test_idle_time_separates_a_session_between_turns_from_one_that_ended():
 def test_an_agent_session_idle_far_longer_than_its_turns_gaps_has_ended():
     """The chance of another turn is learned from every session's gaps between requests (not only
     from blocks near eviction): sessions whose turns came within 20 steps and that then fell
-    silent teach that one idle for 600 steps has ended, and one idle for 5 has not."""
+    silent teach that one idle for 600 steps has ended, and one idle for 5 has not. No horizon
+    is waited out: a session still silent counts as not back (yet)."""
     m = ReuseModel(remembered=1000)
     note(m, chain(*SYSTEM, "another"))
     step = 0
     for s in range(2 * MIN_EVIDENCE):
         history = [*SYSTEM, f"s{s}"]
-        for t in range(5):  # five turns, each continuing the whole previous one, 10-20 steps apart
+        for t in range(5):  # five turns, each continuing the whole previous one and its answer
             history = history + [f"s{s}t{t}"]
             note(m, chain(*history), cached=len(history) - 1, step=step)
-            m.touch(chain(*history), step + 5)  # the turn finishes
+            history = history + [f"s{s}out{t}"]
+            m.finish(chain(*history), step + 5)  # the turn finishes; the next comes 10-14 steps later
             step += 15 + t
-        m.settle(step)
-    m.settle(step + 2 * MIN_WATCH_STEPS + 1)  # the sessions that fell silent count as ended
-    assert m._ended == 2 * MIN_EVIDENCE
-    last = chain(*SYSTEM, "s1", "s1t0", "s1t1", "s1t2", "s1t3", "s1t4")
-    assert m.another_turn(last[-1], step + 600) < 0.2
-    late = chain(*SYSTEM, "s0", "s0t0", "s0t1", "s0t2", "s0t3", "s0t4", "late")
-    note(m, late, cached=len(late) - 1, step=step + 3000)  # one comes back after all, 3000 steps on
-    assert m._ended == 2 * MIN_EVIDENCE - 1  # counted back
-    assert m._gap_horizon == MIN_WATCH_STEPS  # one session held up for long does not set the horizon
+            m.settle(step)
+    last = [*SYSTEM, "s1", "s1t0", "s1out0", "s1t1", "s1out1", "s1t2", "s1out2", "s1t3", "s1out3", "s1t4"]
+    block = last[-1].encode()
+    assert m.another_turn(block, step) is None  # fewer than MIN_EVIDENCE sessions silent that long yet
+    m.settle(step + 2000)
+    assert m.another_turn(block, step + 2000) < 0.2
+    m.settle(step + 3000)
+    late = [*last, "s1out4", "late"]
+    note(m, chain(*late), cached=len(late) - 1, step=step + 3000)  # one comes back after all, 3000 steps on
+    assert 0.1 < m.another_turn(b"s2t4", step + 3000) < 0.3  # 1 of the 8 seen idle that long
     step += 4000
     live = [*SYSTEM, "live", "livet0"]
     note(m, chain(*live), step=step)
-    note(m, chain(*live, "livet1"), cached=3, step=step + 10)  # it extends: an agent-like session
-    assert m.another_turn(b"livet1", step + 15) > 0.6  # three gaps seen per session for one end
+    m.finish(chain(*live, "liveout0"), step + 5)
+    note(m, chain(*live, "liveout0", "livet1"), cached=3, step=step + 10)  # it extends: an agent-like session
+    m.finish(chain(*live, "liveout0", "livet1", "liveout1"), step + 15)
+    assert m.another_turn(b"livet1", step + 20) > 0.6  # four of every five sessions idle 4-7 steps came back
     note(m, chain(*SYSTEM, "doc", "q0"), step=step + 100)
+    m.finish(chain(*SYSTEM, "doc", "q0", "a0"), step + 105)
     note(m, chain(*SYSTEM, "doc", "q1"), step=step + 110)  # it branches: a document's questions
     assert m.another_turn(b"doc", step + 1000) is None
+
+
+def test_a_request_beside_a_running_one_is_not_its_next_turn():
+    """A lineage's next request that arrives while its latest still runs (two questions on one
+    document at once) branches, even when its prompt holds all the running one's pages: an agent's
+    next turn waits for the answer and continues it."""
+    m = ReuseModel(remembered=100)
+    note(m, chain(*SYSTEM, "other"))
+    note(m, chain(*SYSTEM, "doc0", "doc1"), step=0)  # the question fits in the document's last partial page
+    note(m, chain(*SYSTEM, "doc0", "doc1", "q1"), step=3)
+    assert m._class(b"doc1", 3)[1] == BRANCHES
+    m.finish(chain(*SYSTEM, "doc0", "doc1", "q1", "a1"), 8)
+    note(m, chain(*SYSTEM, "doc0", "doc1", "q2"), step=20)  # after it finished, but not continuing its answer
+    assert m._lineages[b"doc0"].branches == 2 and m._lineages[b"doc0"].extends == 0
