@@ -9,8 +9,9 @@ from it:
   stream of one-shot prompts; its blocks are not worth copying.
 - **lineages**: within a family, the requests that continue one page past the pages all
   of the family's requests share: one agent session, or one document and the questions
-  asked about it. A lineage *extends* when a request continues the whole previous one
-  (an agent's next turn) and *branches* when it leaves it at an earlier page (another
+  asked about it. A lineage *extends* when a request continues the whole previous one,
+  its answer included (an agent's next turn, after the previous finished), and
+  *branches* when it leaves it at an earlier page or comes while it still runs (another
   question on the same document: the previous question's tail is never read again).
 - **the estimate**: the chance that a block about to be evicted will be needed from a
   tier (asked for again while the engine no longer holds it), by how many requests used
@@ -20,9 +21,16 @@ from it:
   engine still holds, a miss if a request finds it still in the engine (a copy would
   have been wasted) or if nobody asks for it within its class's horizon, twice the
   slowest success seen in the class so far (it becomes a success after all if it is
-  needed later; the horizon grows).
-  Outcomes are seen whether or not the block was copied (requests name their blocks
-  either way), so skipping copies can never teach the estimate that they were useless.
+  needed later; the horizon grows). A class has an estimate once outcomes from
+  ``MIN_EVIDENCE`` lineages are settled (a document's body is a hundred blocks, one
+  observation). Outcomes are seen whether or not the block was copied (requests name
+  their blocks either way), so skipping copies can never teach the estimate that they
+  were useless.
+- **sessions**: the chance that an agent-like session (an extending lineage) gets
+  another turn, given how long it has been idle, from every session's gaps.
+- **tails**: a block only one request used, in a lineage whose requests branch (a
+  question's tail, its answer): whether lineages like it ever continue their latest
+  request.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ IDLE_BUCKETS = 5
 #: candidates whose outcome is being watched, and settled misses that may still turn into successes
 WATCH_LIMIT = 1 << 16
 #: the shortest watch before a candidate counts as not needed
-MIN_WATCH_STEPS = 256
+MIN_WATCH_STEPS = 512
 #: buckets of the gaps between an agent-like session's requests (powers of two of steps)
 GAP_BUCKETS = 24
 #: settled outcomes a class needs before its estimate may stop a copy (4 misses: 1/6)
@@ -108,6 +116,7 @@ class ReuseModel:
         self._watch: dict[Class, OrderedDict[bytes, int]] = {}  # per class: block -> step watched, oldest first
         self._watched: dict[bytes, Class] = {}
         self._missed: OrderedDict[bytes, tuple[Class, int]] = OrderedDict()
+        self._sources: dict[Class, set[bytes]] = {}  # per class: lineages settled (up to MIN_EVIDENCE)
         #: extending lineages (agent-like sessions), by idle time in powers of two: how many sessions
         #: have been idle that long (``_reached``: counted as each crosses into a bucket, whether it
         #: returns later or not) and how many of them came back after such a gap (``_gaps``); the
@@ -116,6 +125,8 @@ class ReuseModel:
         self._reached = [0] * GAP_BUCKETS
         self._idle: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(GAP_BUCKETS)]
         self._bucket: dict[bytes, int] = {}  # waiting lineage -> its bucket
+        #: lineages' next requests, by the lineage's kind before them: did it continue the latest one?
+        self._next: Counter[tuple[int, bool]] = Counter()
 
     # -- what requests show --------------------------------------------------
 
@@ -187,6 +198,7 @@ class ReuseModel:
             lin = self._add_lineage(key, Lineage())
         else:
             self._lineages.move_to_end(key)
+            kind = lin.kind
             if lin.running:  # the latest request still runs: this one goes beside it, not after it
                 lin.branches += 1
             else:
@@ -195,6 +207,7 @@ class ReuseModel:
                     lin.extends += 1
                 else:
                     lin.branches += 1
+            self._next[kind, lin.leaf in hashes[n:]] += 1
         lin.requests += 1
         lin.leaf = hashes[-1]
         lin.running = True
@@ -241,9 +254,23 @@ class ReuseModel:
         if lin is None or lin.kind != EXTENDS:
             return None
         b = _gap_bucket(step - lin.last_seen)
-        if self._reached[b] < MIN_EVIDENCE:
-            return None
+        while self._reached[b] < MIN_EVIDENCE:  # idle longer than enough sessions have been yet: judged
+            if b == 0:  # as the longest idle enough were (any return after that counts for it)
+                return None
+            b -= 1
         return (sum(self._gaps[b:]) + 1) / (self._reached[b] + 2)
+
+    def continued(self, h: bytes, lineage_block: bytes) -> float | None:
+        """For a block only one request used (a question's tail, an answer) in a lineage that branched
+        before (``lineage_block``: ``h`` or its nearest ancestor in a lineage): the chance the lineage's
+        next request continues it, from every such lineage's next requests. A document's next question
+        leaves the previous one's tail: copying the tail would copy the document's whole body with it
+        (prefix closure), a body the engine may still be holding for that next question."""
+        lin = self._lineages.get(self._lineage_of.get(lineage_block, b""))
+        if lin is None or lin.kind != BRANCHES or self.uses.get(h, 0) > 1:
+            return None
+        yes, n = self._next[BRANCHES, True], self._next[BRANCHES, True] + self._next[BRANCHES, False]
+        return None if n < MIN_EVIDENCE else (yes + 1) / (n + 2)
 
     def _add_lineage(self, key: bytes, lin: Lineage) -> Lineage:
         self._lineages[key] = lin
@@ -278,7 +305,16 @@ class ReuseModel:
     def estimate(self, c: Class) -> float | None:
         """The chance a block of class ``c`` is needed from a tier, or None while too few are settled."""
         needed, n = self.needed[c], self.needed[c] + self.not_needed[c]
-        return None if n < MIN_EVIDENCE else (needed + 1) / (n + 2)
+        if n < MIN_EVIDENCE or len(self._sources.get(c, ())) < MIN_EVIDENCE:
+            return None
+        return (needed + 1) / (n + 2)
+
+    def _settled(self, c: Class, h: bytes) -> None:
+        """Count ``h``'s lineage (or ``h``, in none) among the class's sources of evidence: a document's
+        body settles 100 blocks at once, one observation of whether its document is asked again."""
+        sources = self._sources.setdefault(c, set())
+        if len(sources) < MIN_EVIDENCE:
+            sources.add(self._lineage_of.get(h, h))
 
     def _outcome(self, h: bytes, step: int, needed: bool) -> None:
         c = self._watched.pop(h, None)
@@ -296,11 +332,13 @@ class ReuseModel:
             self.horizon[c] = max(self.horizon.get(c, MIN_WATCH_STEPS), 2 * (step - since))
         else:
             self.not_needed[c] += 1
+        self._settled(c, h)
 
     def _settle_one(self, c: Class, fifo: OrderedDict[bytes, int]) -> None:
         h, since = fifo.popitem(last=False)
         del self._watched[h]
         self.not_needed[c] += 1
+        self._settled(c, h)
         self._missed[h] = (c, since)
         if len(self._missed) > WATCH_LIMIT:
             self._missed.popitem(last=False)

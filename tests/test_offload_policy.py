@@ -133,6 +133,33 @@ def test_a_cap_of_a_fraction_of_pages_is_kept_on_average(engine, pages_per_step,
     assert len(idle.plan(queue)) == int(pages_per_step + 1)  # at most one page carried over
 
 
+def test_a_burst_that_evicted_beyond_the_zone_widens_it_for_a_while(engine):
+    """A step that takes far more blocks than the average (a burst of new prompts) evicts cached
+    blocks the zone did not reach; the policy remembers how many (fading) and treats as many at the
+    head as due. Never-used blocks an engine hands out first are not counted."""
+    mgr, queue, finish = engine
+    pool = mgr.block_pool
+    chains = [finish(f"r{i}", list(range(1000 * i + 3, 1000 * i + 3 + 2 * BS))) for i in range(4)]
+    tier = set(chains[0] + chains[1])  # the first two are in lmkv already (skipped, still counted)
+    p = _policy(tier, ema_alpha=0.01)
+    for c in chains:
+        p.note_chain(c)
+    p.note_step(0)
+    held = pool.get_new_blocks(pool.get_num_free_blocks() - 8)  # never-used blocks: no eviction
+    p.note_step(len(held))
+    assert p.burst_evicted == 0
+    assert p.plan(queue) == []  # depth 1: the head is in lmkv
+    taken = pool.get_new_blocks(4)  # a burst: evicts the two chains in lmkv, beyond the one block walked
+    p.note_step(len(taken))
+    assert p.burst_evicted == 4 and p.danger_depth(0) == 1
+    picks = p.plan(queue)
+    assert {x.block_hash for x in picks} == set(chains[2] + chains[3])  # four blocks at the head are due
+    p.done(picks, queue)
+    for _ in range(1000):
+        p.note_step(0)
+    assert p.burst_evicted < 1  # it fades
+
+
 def test_the_zone_is_walked_only_until_the_steps_copies_are_planned(engine):
     mgr, queue, finish = engine
     chains = [finish(f"r{i}", list(range(100 * i + 3, 100 * i + 3 + 2 * BS))) for i in range(4)]
@@ -277,8 +304,10 @@ def test_without_a_link_blocks_seldom_needed_again_are_not_copied(engine):
             p.note_chain(c)
         p.note_step(200)  # a burst: everything is in danger
         assert all(p.reuse._class(t, p._step)[:2] == (1, BRANCHES) for t in tails)
-        for t in tails:
-            p.reuse.not_needed[p.reuse._class(t, p._step)] = MIN_EVIDENCE  # blocks like these were never needed again
+        for t in tails:  # blocks like these (from as many lineages) were never needed again
+            c = p.reuse._class(t, p._step)
+            p.reuse.not_needed[c] = MIN_EVIDENCE
+            p.reuse._sources[c] = {bytes([i]) for i in range(MIN_EVIDENCE)}
         picks = p.plan(queue)
         copied = {x.block_hash for x in picks}
         assert chains[2][1] in copied  # doc B's body: no evidence against it

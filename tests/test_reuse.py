@@ -49,6 +49,44 @@ def test_the_estimate_needs_evidence_and_learns_from_outcomes():
     assert m.horizon[c] >= 2 * (10 * MIN_WATCH_STEPS) and len(m.horizon) == 1
 
 
+def test_one_lineage_s_many_blocks_are_one_observation():
+    """A document's body settles a hundred blocks at once: evidence for an estimate takes outcomes
+    from MIN_EVIDENCE lineages, not MIN_EVIDENCE blocks of one."""
+    m = ReuseModel(remembered=100)
+    note(m, chain(*SYSTEM, "other"))
+    bodies = [chain(*SYSTEM, *(f"doc{i}-{j}" for j in range(50))) for i in range(MIN_EVIDENCE)]
+    note(m, bodies[0])
+    for h in bodies[0][2:]:
+        m.watch(h, 0)
+    m.settle(MIN_WATCH_STEPS + 1)
+    c = m._class(bodies[0][-1], 0)  # as they were when watched
+    assert m.not_needed[c] == 50 and m.estimate(c) is None
+    for step, b in enumerate(bodies[1:], start=MIN_WATCH_STEPS + 2):
+        note(m, b, step=step)
+        m.watch(b[-1], step)
+    m.settle(3 * MIN_WATCH_STEPS)
+    assert m.estimate(c) < 0.2
+
+
+def test_a_branching_lineage_s_tails_are_not_continued():
+    """A document's next question leaves the previous one's tail (and answer): once lineages that had
+    branched went on branching, a block only one request used in such a lineage is unlikely to be
+    read again; the document's body (used by every question) is not judged by this."""
+    m = ReuseModel(remembered=100)
+    note(m, chain(*SYSTEM, "other"))
+    for d in range(MIN_EVIDENCE):
+        for q in range(3):
+            note(m, chain(*SYSTEM, f"d{d}", f"body{d}", f"q{d}-{q}"), step=10 * q)
+            m.finish(chain(*SYSTEM, f"d{d}", f"body{d}", f"q{d}-{q}", f"a{d}-{q}"), 10 * q + 5)
+    assert m.continued(b"q0-2", b"q0-2") < 0.2
+    assert m.continued(b"a0-2", b"q0-2") < 0.2  # an answer (in no lineage) judged by its question's
+    assert m.continued(b"body0", b"body0") is None  # used by every question
+    note(m, chain(*SYSTEM, "agent", "t0"), step=100)
+    m.finish(chain(*SYSTEM, "agent", "t0", "out0"), 105)
+    note(m, chain(*SYSTEM, "agent", "t0", "out0", "t1"), step=110)  # it extends
+    assert m.continued(b"t1", b"t1") is None
+
+
 def test_a_block_the_engine_still_held_was_not_needed_from_a_tier():
     m = ReuseModel(remembered=100)
     c = chain(*SYSTEM, "a0", "a1")
@@ -121,7 +159,8 @@ def test_an_agent_session_idle_far_longer_than_its_turns_gaps_has_ended():
             m.settle(step)
     last = [*SYSTEM, "s1", "s1t0", "s1out0", "s1t1", "s1out1", "s1t2", "s1out2", "s1t3", "s1out3", "s1t4"]
     block = last[-1].encode()
-    assert m.another_turn(block, step) is None  # fewer than MIN_EVIDENCE sessions silent that long yet
+    # fewer than MIN_EVIDENCE sessions have been silent this long: judged as the longest idle enough were
+    assert m.another_turn(block, step) < 0.2
     m.settle(step + 2000)
     assert m.another_turn(block, step + 2000) < 0.2
     m.settle(step + 3000)
