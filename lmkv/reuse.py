@@ -254,11 +254,12 @@ class ReuseModel:
         if lin is None or lin.kind != EXTENDS:
             return None
         b = _gap_bucket(step - lin.last_seen)
-        while self._reached[b] < MIN_EVIDENCE:  # idle longer than enough sessions have been yet: judged
-            if b == 0:  # as the longest idle enough were (any return after that counts for it)
+        seen = b  # sessions seen idle this long: if too few yet, those seen idle almost as long (fewer
+        while self._reached[seen] < MIN_EVIDENCE:  # came back after as long: a lower bound)
+            if seen == 0:
                 return None
-            b -= 1
-        return (sum(self._gaps[b:]) + 1) / (self._reached[b] + 2)
+            seen -= 1
+        return (sum(self._gaps[b:]) + 1) / (self._reached[seen] + 2)
 
     def continued(self, h: bytes, lineage_block: bytes) -> float | None:
         """For a block only one request used (a question's tail, an answer) in a lineage that branched
