@@ -146,9 +146,9 @@ class LazyOffload:
         #: reach (never-used blocks, at the queue's head, are taken first and cost nothing)
         self.burst = 0.0
         self.burst_evicted = 0.0
-        self._seen: list[bytes | None] = []  # the blocks the last walk passed, head first (None: never used)
-        self._cached_at: list[int] = []  # their queue positions once the step's picks were protected
-        self._walked = 0
+        self._seen: list[tuple[int, bytes]] = []  # the cached blocks the last walk passed and their positions
+        self._cached_at: list[int] = []  # their positions once the step's picks were protected
+        self._walked = 0  # positions the last walk covered (after the picks were protected)
         self._binding = 0.0  # how often the drain cap has been binding lately (EMA of 0/1)
         self.inflight: dict[bytes, int] = {}  # hash -> protected block id
         self._parent: OrderedDict[bytes, bytes | None] = OrderedDict()
@@ -307,16 +307,15 @@ class LazyOffload:
         where the cached blocks it passed were, to tell how many of them the next step evicts."""
         reach = math.ceil(self.burst) + self.cfg.watermark_blocks
         evicts = math.ceil(self.burst_evicted) + (self.cfg.watermark_blocks if self.burst_evicted >= 1 else 0)
-        self._seen = []
-        cached = 0
+        self._seen, self._walked = [], 0
         for i, (_, h) in enumerate(pool.iter_free()):
-            burst = cached < evicts and i < reach
+            burst = len(self._seen) < evicts and i < reach
             if i >= depth and not burst:
                 return
-            self._seen.append(h)
+            self._walked = i + 1
             if h is None:
                 continue
-            cached += 1
+            self._seen.append((i, h))
             if self.in_tier(h) or h in self.inflight or self._one_shot(h):
                 continue
             if self.estimating and self._unlikely(h):
@@ -327,14 +326,13 @@ class LazyOffload:
     def _note_walk(self, picked: set[bytes]) -> None:
         """Where the cached blocks the walk passed sit once this step's picks are out of the queue (the
         engine's next allocations count from there)."""
-        self._cached_at, pos = [], 0
-        for h in self._seen:
-            if h is not None and h in picked:
-                continue
-            if h is not None:
-                self._cached_at.append(pos)
-            pos += 1
-        self._walked = pos
+        self._cached_at, gone = [], 0
+        for i, h in self._seen:
+            if h in picked:
+                gone += 1
+            else:
+                self._cached_at.append(i - gone)
+        self._walked -= gone
 
     def _fill(self, pool: FreeQueue, picks: list[Pick], chosen: set[bytes], budget: int) -> None:
         """The link is the bottleneck: the budget the danger zone leaves this step goes to the oldest
