@@ -27,6 +27,9 @@ class VllmFreeQueue:
     def block_hash(self, block_id: int) -> bytes | None:
         return self.pool.blocks[block_id].block_hash
 
+    def held(self, block_id: int) -> bool:
+        return self.pool.blocks[block_id].ref_cnt > 0
+
     def protect(self, block_ids: Sequence[int]) -> None:
         self.pool.touch([self.pool.blocks[i] for i in block_ids])
 

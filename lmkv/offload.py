@@ -18,6 +18,8 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
 - **prefix closure**: a page is only useful if every page before it in its chain is
   reachable too, so a block's cached ancestors that lmkv lacks are copied first, and
   a block whose ancestor is gone from both the engine and lmkv is not copied at all;
+  the walk up stops at an ancestor a running request holds (a shared system prompt):
+  it is not at risk, and it is judged like any block once freed and near reuse;
 - **drain cap**: at most ``drain_bytes_per_step`` are planned per step (on average: a
   fraction of a page is carried over to the next step), the blocks
   nearest the head first (the first to be lost); while the cap binds, the zone grows
@@ -73,6 +75,9 @@ class FreeQueue(Protocol):
         """The block that holds ``block_hash`` in the engine's cache, if any."""
 
     def block_hash(self, block_id: int) -> bytes | None: ...
+
+    def held(self, block_id: int) -> bool:
+        """Whether a running request holds the block (it is out of the free queue)."""
 
     def protect(self, block_ids: Sequence[int]) -> None:
         """Keep these blocks from being reused until :meth:`release`."""
@@ -217,13 +222,16 @@ class LazyOffload:
     # -- planning ----------------------------------------------------------------
 
     def _closure(self, h: bytes, pool: FreeQueue, chosen: set[bytes]) -> list[tuple[int, bytes]] | None:
-        """``h`` and its cached ancestors lmkv lacks, oldest first; None if the chain is broken."""
+        """``h`` and its cached ancestors lmkv lacks, up to one a running request holds, oldest first;
+        None if the chain is broken."""
         out: list[tuple[int, bytes]] = []
         cur: bytes | None = h
         while cur is not None and not (self.in_tier(cur) or cur in self.inflight or cur in chosen):
             bid = pool.cached_block(cur)
             if bid is None:
                 return None  # an ancestor is neither in the engine nor in lmkv: unreachable
+            if cur != h and pool.held(bid):
+                break  # a running request holds it (and the pages before it): not at risk now
             out.append((bid, cur))
             if cur not in self._parent:
                 break  # the chain's start (or a link we no longer remember: treat it as the start)

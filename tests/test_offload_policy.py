@@ -95,6 +95,25 @@ def test_prefix_closure_copies_cached_ancestors_and_skips_broken_chains(engine):
     assert p2.stats.unreachable >= 1
 
 
+def test_closure_stops_at_an_ancestor_a_running_request_holds(engine):
+    """A running request holds the shared system prompt: a finished request's pages after it are
+    copied without it (the engine keeps it while it is held; it is judged like any block once it
+    is freed and nears reuse)."""
+    mgr, queue, finish = engine
+    system = list(range(3, 3 + 2 * BS))
+    chain = finish("a", system + list(range(100, 100 + 2 * BS)))
+    running = make_request("b", system + list(range(500, 500 + BS)), 1, BS)  # holds the system prompt
+    blocks, hit, *_ = mgr.get_computed_blocks(running)
+    assert hit == 2 * BS and mgr.allocate_slots(running, BS, hit, blocks) is not None
+    p = _policy(set())
+    p.note_chain(chain)
+    p.note_step(200)
+    picks = p.plan(queue)
+    assert [x.block_hash for x in picks] == chain[2:]
+    p.done(picks, queue)
+    mgr.free(running)
+
+
 def test_drain_cap_takes_the_oldest_pages_first(engine):
     mgr, queue, finish = engine
     chain = finish("a", list(range(3, 3 + 6 * BS)))
