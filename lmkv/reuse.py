@@ -249,7 +249,7 @@ class ReuseModel:
         sessions have been idle far longer than their turns' gaps, without waiting out a horizon;
         learned from every request, not only from blocks near eviction. None for other blocks, and
         before there is evidence. (Documents' questions come at irregular times: the same estimate on
-        branching lineages stopped copies they needed, a third of their hits, measured.)"""
+        branching lineages cut bytes by a tenth but recomputed 1-4% more tokens, measured.)"""
         lin = self._lineages.get(self._lineage_of.get(h, b""))
         if lin is None or lin.kind != EXTENDS:
             return None
