@@ -199,15 +199,13 @@ class ReuseModel:
         else:
             self._lineages.move_to_end(key)
             kind = lin.kind
-            if lin.running:  # the latest request still runs: this one goes beside it, not after it
-                lin.branches += 1
-            else:
+            # a request that comes while the latest still runs goes beside it, not after it
+            cont = not lin.running and lin.leaf in hashes[n:]
+            if not lin.running:
                 self._returned(key, lin, step)
-                if lin.leaf in hashes[n:]:
-                    lin.extends += 1
-                else:
-                    lin.branches += 1
-            self._next[kind, lin.leaf in hashes[n:]] += 1
+            lin.extends += cont
+            lin.branches += not cont
+            self._next[kind, cont] += 1
         lin.requests += 1
         lin.leaf = hashes[-1]
         lin.running = True
