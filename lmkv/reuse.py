@@ -273,8 +273,9 @@ class ReuseModel:
 
     def _add_lineage(self, key: bytes, lin: Lineage) -> Lineage:
         self._lineages[key] = lin
-        if len(self._lineages) > self._remembered:
-            self._lineages.popitem(last=False)
+        if len(self._lineages) > self._remembered:  # the least recently seen: no longer waited for
+            old, _ = self._lineages.popitem(last=False)
+            self._stop_waiting(old)
         return lin
 
     def one_shot(self, h: bytes, min_requests: int, min_rate: float) -> bool:

@@ -113,6 +113,19 @@ def test_one_shot_families_and_forgetting():
     assert not m.one_shot(b"p3a", min_requests=8, min_rate=0.1)  # a block it no longer knows
 
 
+def test_sessions_waited_for_are_bounded_by_the_lineages_remembered():
+    m = ReuseModel(remembered=3)
+    note(m, chain(*SYSTEM, "other"))
+    for s in range(10):  # agent sessions that end after two turns
+        first = [*SYSTEM, f"s{s}", f"s{s}t0"]
+        note(m, chain(*first), step=10 * s)
+        m.finish(chain(*first, f"s{s}out0"), 10 * s + 1)
+        note(m, chain(*first, f"s{s}out0", f"s{s}t1"), cached=4, step=10 * s + 2)
+        m.finish(chain(*first, f"s{s}out0", f"s{s}t1", f"s{s}out1"), 10 * s + 3)
+    assert m._reached[0] == 10  # every one waited for its next turn
+    assert len(m._bucket) <= 3 and sum(len(f) for f in m._idle) == len(m._bucket)
+
+
 
 def test_idle_time_separates_a_session_between_turns_from_one_that_ended():
     """Blocks are classed by how long ago a request used them: an agent's blocks near eviction
