@@ -173,6 +173,20 @@ class LazyOffload:
         about reuse (:class:`lmkv.reuse.ReuseModel`)."""
         if not hashes:
             return
+        self._link(hashes)
+        if used:
+            self.reuse.note_request(hashes, cached, self._step)
+        else:
+            self.reuse.touch(hashes, self._step)
+
+    def note_finished(self, hashes: Sequence[bytes]) -> None:
+        """A request finished with this chain (the pages its answer filled included)."""
+        if hashes:
+            self._link(hashes)
+            self.reuse.finish(hashes, self._step)
+
+    def _link(self, hashes: Sequence[bytes]) -> None:
+        """Remember each page's parent (for prefix closure), the least recently seen forgotten first."""
         prev: bytes | None = None
         cap = self.cfg.chain_memory
         for h in hashes:
@@ -185,15 +199,6 @@ class LazyOffload:
                     old, _ = self._parent.popitem(last=False)
                     self.reuse.forget(old)
             prev = h
-        if used:
-            self.reuse.note_request(hashes, cached, self._step)
-        else:
-            self.reuse.touch(hashes, self._step)
-
-    def note_finished(self, hashes: Sequence[bytes]) -> None:
-        """A request finished with this chain (the pages its answer filled included)."""
-        self.note_chain(hashes, used=False)
-        self.reuse.finish(hashes, self._step)
 
     def note_computed(self, hashes: Sequence[bytes]) -> None:
         """Blocks the engine just computed (candidates for early copies on a declared link)."""
