@@ -322,8 +322,8 @@ class LazyOffload:
         evicts = math.ceil(self.burst_evicted) + (self.cfg.watermark_blocks if self.burst_evicted >= 1 else 0)
         self._seen, self._walked = [], 0
         for i, (_, h) in enumerate(pool.iter_free()):
-            burst = len(self._seen) < evicts and i < reach
-            if i >= depth and not burst:
+            in_burst = len(self._seen) < evicts and i < reach
+            if i >= depth and not in_burst:
                 return
             self._walked = i + 1
             if h is None:
@@ -334,7 +334,7 @@ class LazyOffload:
             if self.estimating and self._unlikely(h):
                 self.stats.unlikely += 1
                 continue
-            yield h, i < due_depth or burst
+            yield h, i < due_depth or in_burst
 
     def _note_walk(self, picked: set[bytes]) -> None:
         """Where the cached blocks the walk passed sit once this step's picks are out of the queue (the

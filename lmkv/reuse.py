@@ -252,8 +252,10 @@ class ReuseModel:
         if lin is None or lin.kind != EXTENDS:
             return None
         b = _gap_bucket(step - lin.last_seen)
-        seen = b  # sessions seen idle this long: if too few yet, those seen idle almost as long (fewer
-        while self._reached[seen] < MIN_EVIDENCE:  # came back after as long: a lower bound)
+        # the sessions seen idle this long; while too few have been, those seen idle almost as long
+        # (fewer of them came back after as long a gap: a lower bound)
+        seen = b
+        while self._reached[seen] < MIN_EVIDENCE:
             if seen == 0:
                 return None
             seen -= 1
