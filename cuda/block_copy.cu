@@ -9,9 +9,8 @@
 // memory (their device address under unified addressing).
 //
 // The same source builds with nvcc and hipcc (HIP provides uint4 and the thread builtins).
-// The CPU reference it must match is lmkv.blockcopy.LayerBlocks.
-
-#include <stdint.h>
+// The CPU reference it must match is lmkv.blockcopy.LayerBlocks. No headers: NVRTC (how CuPy
+// builds it at run time) has no C library headers to include.
 
 extern "C" __global__ void lmkv_block_copy(
     const unsigned long long* __restrict__ layer_ptrs,  // [n_layers] base address of each layer tensor
@@ -29,7 +28,7 @@ extern "C" __global__ void lmkv_block_copy(
     char* pg = reinterpret_cast<char*>(page_ptrs[page]) + page_offset + layer * layer_stride;
     const char* src = to_pages ? blk : pg;
     char* dst = to_pages ? pg : blk;
-    if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | block_bytes) & 15) == 0) {
+    if (((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst) | block_bytes) & 15) == 0) {
         const uint4* s = reinterpret_cast<const uint4*>(src);
         uint4* d = reinterpret_cast<uint4*>(dst);
         for (long long i = threadIdx.x; i < block_bytes / 16; i += blockDim.x) {
