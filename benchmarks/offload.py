@@ -10,6 +10,9 @@ replayed on vLLM's real ``KVCacheManager`` (:mod:`lmkv.offload_sim`) over the sa
   so eager falls behind and blocks are evicted before their copy; the budget is declared to
   the lazy policy (``offload.link_bytes_per_step``), which then keeps the link busy.
 - ``computed_tokens``: what tier hits are for, the tokens the engine computed.
+- ``rescued_pages``: lazy's copies of blocks a step had already taken (a burst beyond
+  the danger zone), made before that step's forward: the share of its copies on the
+  forward's critical path.
 - ``policy_us_per_step``: the lazy policy's median time per step with 100k blocks and
   1k running requests.
 Per-trace figures (agents, documents, and each working-set factor) come as extra metrics.
@@ -42,7 +45,8 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
                                        "page_bytes": 256 << 10, "seed": 1})
     sums = {k: 0 for k in ("lazy_bytes", "eager_bytes", "oracle_bytes", "lazy_hits", "eager_hits", "lazy_lost",
                            "eager_lost", "stale", "bw_lazy_lost", "bw_eager_lost", "bw_lazy_hits", "bw_eager_hits",
-                           "lazy_computed", "eager_computed", "bw_lazy_computed", "bw_eager_computed")}
+                           "lazy_computed", "eager_computed", "bw_lazy_computed", "bw_eager_computed",
+                           "lazy_writes", "lazy_rescues")}
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         for kind in ("mixed", "agents", "documents"):
             path = Path(tmp) / f"{kind}.parquet"
@@ -78,7 +82,8 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
                                  ("bw_lazy_hits", blazy.hit_tokens), ("bw_eager_hits", beager.hit_tokens),
                                  ("lazy_computed", lazy.computed_tokens), ("eager_computed", eager.computed_tokens),
                                  ("bw_lazy_computed", blazy.computed_tokens),
-                                 ("bw_eager_computed", beager.computed_tokens)):
+                                 ("bw_eager_computed", beager.computed_tokens),
+                                 ("lazy_writes", lazy.writes), ("lazy_rescues", lazy.rescues)):
                         sums[k] += v
     report.add("bytes_written", sums["lazy_bytes"], "bytes", sums["eager_bytes"], "eager write-through, same traces")
     report.add("bytes_vs_oracle", sums["lazy_bytes"], "bytes", sums["oracle_bytes"] or None, "offline oracle, same traces")
@@ -88,6 +93,8 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
     # evicting engine-cached blocks early, which costs compute; this figure shows it)
     report.add("computed_tokens", sums["lazy_computed"], "tokens", sums["eager_computed"], "eager write-through, same traces")
     report.add("stale_writes", sums["stale"], "writes")
+    # copies made before a step's forward (blocks a burst took): on the forward's critical path
+    report.add("rescued_pages", sums["lazy_rescues"], "pages", sums["lazy_writes"] or None, "pages lazy copied, same traces")
     report.add("bw.blocks_lost", sums["bw_lazy_lost"], "blocks", sums["bw_eager_lost"] or None, "eager under the same copy budget")
     report.add("bw.hit_tokens", sums["bw_lazy_hits"], "tokens", sums["bw_eager_hits"] or None, "eager under the same copy budget")
     report.add("bw.computed_tokens", sums["bw_lazy_computed"], "tokens", sums["bw_eager_computed"],

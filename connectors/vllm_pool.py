@@ -5,6 +5,12 @@ pool shared by several cache groups is read as one queue. A protected block is
 ``touch``-ed (its ref count holds it out of the free queue, the way a prefix hit
 does); released, it goes back to the head of the queue if it was due (its bytes
 are in lmkv now, so it is the cheapest block to reuse) or to the tail otherwise.
+
+The cached blocks a step's allocations take are noted as the queue hands them out
+(its ``popleft_n``, which only ``BlockPool.get_new_blocks`` calls, before the pool
+drops their hashes), so the policy can rescue them before the step's forward. Blocks
+the pool drops from its cache without handing them out (``evict_blocks``, after a
+failed load) are not noted: their bytes may be wrong.
 """
 
 from __future__ import annotations
@@ -15,6 +21,24 @@ from collections.abc import Iterator, Sequence
 class VllmFreeQueue:
     def __init__(self, pool) -> None:
         self.pool = pool
+        #: cached blocks ``get_new_blocks`` handed out since :meth:`take_reused` (block id -> the hash it
+        #: held); the queue's ``popleft_n`` is only called there, before the hashes are dropped
+        self._reused: dict[int, bytes] = {}
+        queue = pool.free_block_queue
+        popleft_n = queue.popleft_n
+
+        def popleft_n_noting(n: int):
+            blocks = popleft_n(n)
+            for b in blocks:
+                if b.block_hash is not None:
+                    self._reused[b.block_id] = b.block_hash
+            return blocks
+
+        queue.popleft_n = popleft_n_noting
+
+    def take_reused(self) -> list[tuple[int, bytes]]:
+        out, self._reused = list(self._reused.items()), {}
+        return out
 
     def iter_free(self) -> Iterator[tuple[int, bytes | None]]:
         for b in self.pool.free_block_queue.iter_blocks_after(None):

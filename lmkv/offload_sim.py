@@ -12,7 +12,9 @@ Policies (the same trace, each in its own run):
 - ``none``: nothing is written; the run also records, for the **oracle**, every
   block that was evicted and asked for again later (the only writes that can pay);
 - ``eager``: every block is queued for a copy when it is computed;
-- ``lazy``: :class:`lmkv.offload.LazyOffload` on the real free queue.
+- ``lazy``: :class:`lmkv.offload.LazyOffload` on the real free queue; the blocks it
+  rescues (taken by the step's allocations) are written in that step, as a worker
+  copies them before the step's forward.
 
 A copy budget per step (``d2h_bytes_per_step``) models the host link: a queued
 block evicted before its copy is *lost*. Figures per run: bytes written, tier-hit
@@ -50,6 +52,7 @@ class SimResult:
     steps: int = 0
     bytes_written: int = 0
     writes: int = 0
+    rescues: int = 0  # lazy: writes of blocks the step had taken, made before its forward
     hit_tokens: int = 0
     computed_tokens: int = 0
     blocks_lost: int = 0
@@ -107,6 +110,7 @@ class _Run:
         self.evicted_unwritten: set[bytes] = set()
         self.evicted: set[bytes] = set()
         self.pending: deque[bytes] = deque()  # eager copies not yet done
+        self.handed_out: dict[int, bytes] = {}  # cached blocks this step's allocations took: id -> hash
         #: eager's copies through the simulated link (lazy declares it to its policy, which keeps it)
         self.link = None if cfg.d2h_bytes_per_step is None else CopyBudget(cfg.d2h_bytes_per_step, cfg.page_bytes)
         lazy_cfg = cfg.lazy
@@ -133,6 +137,7 @@ class _Run:
         def evict(block, _orig=orig):
             h = block.block_hash
             if h is not None:
+                self.handed_out[block.block_id] = h
                 self.evicted.add(h)
                 self.written_live.discard(h)
                 if h not in self.tier:
@@ -249,9 +254,10 @@ class _Run:
 
     # -- copies ----------------------------------------------------------------
 
-    def write(self, h: bytes) -> None:
+    def write(self, h: bytes, evicted: bool = False) -> None:
         self.tier.add(h)
-        self.written_live.add(h)
+        if not evicted:
+            self.written_live.add(h)
         self.evicted_unwritten.discard(h)
         self.res.writes += 1
         self.res.bytes_written += self.cfg.page_bytes
@@ -274,6 +280,8 @@ class _Run:
         elif self.lazy is not None:
             # the copies planned last step finished: check their snapshot, release their blocks
             for p in self.inflight:
+                if p.rescue:
+                    continue  # copied in the step that planned it
                 if self.queue.block_hash(p.block_id) != p.block_hash:
                     self.res.stale_writes += 1
                 else:
@@ -290,6 +298,13 @@ class _Run:
             t0 = time.perf_counter()
             self.inflight = self.lazy.plan(self.queue, demand)
             self.res.policy_us.append((time.perf_counter() - t0) * 1e6)
+            for p in self.inflight:  # rescues: copied before this step's forward writes the blocks
+                if p.rescue:
+                    if self.handed_out.get(p.block_id) != p.block_hash:
+                        self.res.stale_writes += 1
+                    else:
+                        self.write(p.block_hash, evicted=True)
+                        self.res.rescues += 1
             self.res.peak_pending_bytes = max(self.res.peak_pending_bytes, len(self.inflight) * self.cfg.page_bytes)
 
     def run(self, max_steps: int = 1_000_000) -> SimResult:
@@ -299,6 +314,7 @@ class _Run:
             fresh = self.admit(step)
             self.decode(step, fresh)
             self.copies()
+            self.handed_out.clear()
             step += 1
         self.res.steps = step
         return self.res

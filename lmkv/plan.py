@@ -27,7 +27,10 @@ class StepPlan:
     loads: list[PageOp] = field(default_factory=list)  # layerwise, during this step's forward
     async_loads: list[PageOp] = field(default_factory=list)  # in the background; the request waits
     stores: list[PageOp] = field(default_factory=list)
+    #: stores of blocks this step's requests were just given (lazy offload rescues them): copied before
+    #: the forward and the loads write those blocks
+    rescues: list[PageOp] = field(default_factory=list)
     drops: list[PageOp] = field(default_factory=list)  # pages no longer worth keeping (superseded states)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.async_loads or self.stores or self.drops)
+        return bool(self.loads or self.async_loads or self.stores or self.rescues or self.drops)

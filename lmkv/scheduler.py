@@ -269,7 +269,7 @@ class OffloadScheduler:
                         plan.stores.append(op)
                 st.stored_upto = full
         if self.lazy_active:
-            plan.stores.extend(self._lazy_stores(max(0, allocated)))
+            self._lazy_stores(max(0, allocated), plan)
         return plan
 
     # -- lazy offload ----------------------------------------------------------
@@ -305,20 +305,22 @@ class OffloadScheduler:
         g, chain = gc
         return self.store.contains([page_key(chain, self.groups[g])])[0]
 
-    def _lazy_stores(self, allocated: int) -> list[PageOp]:
-        """Release last step's copies (the workers ran them), then plan this step's."""
+    def _lazy_stores(self, allocated: int, plan: StepPlan) -> None:
+        """Release last step's copies (the workers ran them), then plan this step's: blocks the step
+        handed out go to ``plan.rescues`` (copied before the forward), the rest to ``plan.stores``."""
         assert self.lazy is not None and self._pool is not None
         self.lazy.done(self._inflight, self._pool)
         self.lazy.note_step(allocated)
         self._inflight = self.lazy.plan(self._pool)
-        by_group: dict[int, tuple[list[bytes], list[int]]] = {}
+        by_group: dict[tuple[bool, int], tuple[list[bytes], list[int]]] = {}
         for p in self._inflight:
             g, chain = self._engine_pages[p.block_hash]
-            chains, blocks = by_group.setdefault(g, ([], []))
+            chains, blocks = by_group.setdefault((p.rescue, g), ([], []))
             chains.append(chain)
             blocks.append(p.block_id)
         self.stats.stored_pages += len(self._inflight)
-        return [PageOp("", g, chains, blocks, []) for g, (chains, blocks) in sorted(by_group.items())]
+        for (rescue, g), (chains, blocks) in sorted(by_group.items()):
+            (plan.rescues if rescue else plan.stores).append(PageOp("", g, chains, blocks, []))
 
     def _state_op(
         self, st: RequestState, g: int, layout: GroupLayout, computed: int, full: int,

@@ -3,7 +3,9 @@
 For each step the engine adapter calls, in order:
 
 - :meth:`LayerwiseTransfer.begin` with the step's plan: a write session reserves
-  host pages for every page to store (nothing visible until commit);
+  host pages for every page to store (nothing visible until commit); pages of
+  blocks the step's requests were just given (rescued by lazy offload) are copied
+  at once, before the forward writes those blocks;
 - :meth:`LayerwiseTransfer.start_loads`: fetches of the pages to load start on
   the store's I/O threads (memory hits are lent zero-copy, lower tiers read);
 - :meth:`LayerwiseTransfer.before_layer` before attention layer ``l`` runs: wait
@@ -58,6 +60,7 @@ class TransferCounts:
     recomputed_tokens: int = 0  # tokens lmkv offered but the engine computes because a load failed
     stored_pages: int = 0
     stored_bytes: int = 0
+    rescued_pages: int = 0  # stored pages copied before the forward (lazy offload: blocks the step took)
     dropped_pages: int = 0  # stores skipped because memory had no room
 
 
@@ -155,13 +158,14 @@ class LayerwiseTransfer:
         # Hold this step's memory-resident pages before reserving room for its stores, which may evict.
         self._load_keys = [self.keys(op) for op in plan.loads]
         self._held = [self.store.memory.borrow(keys, count=False) for keys in self._load_keys]
-        by_group: dict[int, tuple[list[bytes], list[int]]] = {}
-        for op in plan.stores:
+        by_group: dict[int, tuple[list[bytes], list[int], list[bool]]] = {}
+        for op, now in [(op, False) for op in plan.stores] + [(op, True) for op in plan.rescues]:
             if not self.groups[op.group].is_writer:
                 continue  # a replicated group: the first rank of the replica set writes for all of them
-            keys, blocks = by_group.setdefault(op.group, ([], []))
+            keys, blocks, at_once = by_group.setdefault(op.group, ([], [], []))
             keys.extend(self.keys(op))
             blocks.extend(op.block_ids)
+            at_once.extend([now] * len(op.block_ids))
         if not by_group:
             return
         order = sorted(by_group)
@@ -175,10 +179,19 @@ class LayerwiseTransfer:
             return
         i = 0
         for g in order:
-            keys, blocks = by_group[g]
+            keys, blocks, at_once = by_group[g]
             pages = [as_bytes_array(self._session.buffer(i + j)) for j in range(len(keys))]
-            self._stores[g] = _GroupStore(block_runs(blocks, pages))
             i += len(keys)
+            # Rescued blocks belong to this step's requests now: every layer is copied before the
+            # forward (and any load) writes them. The others are copied layer by layer as it runs.
+            rescued = [(b, p) for b, p, now in zip(blocks, pages, at_once) if now]
+            if rescued:
+                runs = block_runs([b for b, _ in rescued], [p for _, p in rescued])
+                for layer, lb in enumerate(self.layers[g]):
+                    lb.gather(runs, self.groups[g].layer_range(layer)[0])
+                self.stats.add(self.groups[g].name, rescued_pages=len(rescued))
+            later = [(b, p) for b, p, now in zip(blocks, pages, at_once) if not now]
+            self._stores[g] = _GroupStore(block_runs([b for b, _ in later], [p for _, p in later]))
 
     def start_loads(self) -> None:
         by_group: dict[int, tuple[list[bytes], list[int], list[bytes], list[tuple[int, int]]]] = {}

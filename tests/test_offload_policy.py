@@ -152,30 +152,105 @@ def test_a_cap_of_a_fraction_of_pages_is_kept_on_average(engine, pages_per_step,
     assert len(idle.plan(queue)) == int(pages_per_step + 1)  # at most one page carried over
 
 
-def test_a_burst_that_evicted_beyond_the_zone_widens_it_for_a_while(engine):
-    """A step that takes far more blocks than the average (a burst of new prompts) evicts cached
-    blocks the zone did not reach; the policy remembers how many (fading) and treats as many at the
-    head as due. Never-used blocks an engine hands out first are not counted."""
+def test_blocks_a_step_handed_out_are_rescued_before_its_forward(engine):
+    """A burst (a long new prompt) takes cached blocks the zone did not reach. Their bytes are intact
+    until the step's forward writes them, so the plan of that step copies them (rescues), with their
+    closure: an ancestor taken in the same step is rescued too, one still in the queue is copied as
+    usual. Rescued blocks are the step's requests' now: never protected, never released."""
+    mgr, queue, finish = engine
+    pool = mgr.block_pool
+    a = finish("a", list(range(3, 3 + 3 * BS)))
+    b = finish("b", list(range(500, 500 + 2 * BS)))
+    p = _policy(set(), ema_alpha=0.01)
+    p.note_chain(a)
+    p.note_chain(b)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 5)  # never-used blocks: nothing to rescue
+    p.note_step(0)
+    assert p.plan(queue) == []
+    # the queue's head is now a's chain, deepest page first, then b's: take a[2] and a[1]
+    assert [h for _, h in queue.iter_free()] == a[::-1] + b[::-1]
+    pool.get_new_blocks(2)
+    p.note_step(2)
+    picks = p.plan(queue)
+    by_hash = {x.block_hash: x for x in picks}
+    assert [x.block_hash for x in picks] == a  # closure order: a[0] (still cached), then the rescued
+    assert not by_hash[a[0]].rescue and by_hash[a[1]].rescue and by_hash[a[2]].rescue
+    assert p.stats.rescued == 2
+    free = pool.get_num_free_blocks()
+    assert free == 2  # a[0] protected; b stays in the queue
+    p.done(picks, queue)
+    assert pool.get_num_free_blocks() == free + 1  # only a[0] comes back
+    # with a declared link (busy: a copy before the forward would wait behind it) nothing is rescued
+    linked = _policy(set(), ema_alpha=0.01, link_bytes_per_step=1 << 30)
+    linked.note_chain(b)
+    pool.get_new_blocks(2)  # b's blocks
+    linked.note_step(2)
+    assert not any(x.rescue for x in linked.plan(queue)) and linked.stats.rescued == 0
+
+
+def test_a_rescue_needs_its_whole_prefix(engine):
+    """A block whose ancestor the engine dropped (here without handing it out: its bytes may be a
+    failed load's, never a rescue) cannot be hit: no rescue."""
+    mgr, queue, finish = engine
+    pool = mgr.block_pool
+    a = finish("a", list(range(3, 3 + 2 * BS)))
+    p = _policy(set(), ema_alpha=0.01)
+    p.note_chain(a)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)
+    p.note_step(0)
+    assert p.plan(queue) == []
+    order = [h for _, h in queue.iter_free()]
+    assert order == a[::-1]
+    pool.get_new_blocks(1)  # a[1] taken
+    pool.evict_blocks({queue.cached_block(a[0])})  # a[0] dropped, not handed out
+    p.note_step(1)
+    assert p.plan(queue) == []
+    assert p.stats.unreachable == 1 and p.stats.rescued == 0
+
+
+def test_a_page_cached_again_in_another_block_is_not_rescued(engine):
+    mgr, queue, finish = engine
+    pool = mgr.block_pool
+    tokens = list(range(3, 3 + 2 * BS))
+    a = finish("a", tokens)
+    p = _policy(set(), ema_alpha=0.01)
+    p.note_chain(a)
+    held = pool.get_new_blocks(pool.get_num_free_blocks() - 2)
+    p.note_step(0)
+    assert p.plan(queue) == []
+    pool.get_new_blocks(1)  # a[1] taken, a[0] at the head
+    pool.free_blocks(held[:2])  # room for the next request (never-used blocks, at the head)
+    again = make_request("again", tokens + [7], 1, BS)  # the same pages: a[0] hit, a[1] cached anew
+    blocks, hit, *_ = mgr.get_computed_blocks(again)
+    assert hit == BS
+    assert mgr.allocate_slots(again, len(tokens) + 1 - hit, hit, blocks) is not None
+    assert queue.cached_block(a[1]) is not None
+    p.note_step(2)
+    assert p.plan(queue) == []  # its new block is not computed yet: nothing to copy
+
+
+def test_with_a_declared_link_a_burst_makes_blocks_ahead_of_it_due(engine):
+    """A link cannot copy a burst in the step that takes it: the policy remembers how many cached
+    blocks the largest step lately took (fading) and treats as many at the head as due."""
     mgr, queue, finish = engine
     pool = mgr.block_pool
     chains = [finish(f"r{i}", list(range(1000 * i + 3, 1000 * i + 3 + 2 * BS))) for i in range(4)]
     tier = set(chains[0] + chains[1])  # the first two are in lmkv already (skipped, still counted)
-    p = _policy(tier, ema_alpha=0.01)
+    p = _policy(tier, ema_alpha=0.01, link_bytes_per_step=1 << 30)
     for c in chains:
         p.note_chain(c)
-    p.note_step(0)
     held = pool.get_new_blocks(pool.get_num_free_blocks() - 8)  # never-used blocks: no eviction
     p.note_step(len(held))
-    assert p.burst_evicted == 0
-    assert p.plan(queue) == []  # depth 1: the head is in lmkv
-    taken = pool.get_new_blocks(4)  # a burst: evicts the two chains in lmkv, beyond the one block walked
+    assert p.plan(queue) == [] and p.burst_evicted == 0  # depth 1: the head is in lmkv
+    taken = pool.get_new_blocks(4)  # a burst: takes the two chains in lmkv
     p.note_step(len(taken))
-    assert p.burst_evicted == 4 and p.danger_depth(0) == 1
     picks = p.plan(queue)
-    assert {x.block_hash for x in picks} == set(chains[2] + chains[3])  # four blocks at the head are due
+    assert p.burst_evicted == 4 and p.danger_depth(0) == 1
+    assert {x.block_hash for x in picks} == set(chains[2] + chains[3]) and all(x.due for x in picks)
     p.done(picks, queue)
     for _ in range(1000):
         p.note_step(0)
+        p.plan(queue)
     assert p.burst_evicted < 1  # it fades
 
 

@@ -219,6 +219,26 @@ def test_lazy_offload_serves_back_what_the_engine_evicted(model):
         assert loaded(e) - before > 0  # those the engine reused came from lmkv
 
 
+def test_lazy_offload_rescues_blocks_a_burst_takes(model):
+    """Three new prompts admitted in one step take more cached blocks than the danger zone covered,
+    among them the tail of a finished prompt: their bytes are copied before the step's forward writes
+    the blocks (rescued), and that prompt comes back with the same tokens, its tail from lmkv."""
+    cfg = {"memory": {"capacity": "256MiB"}, "offload": {"policy": "lazy"}}
+    a = prompt(480, seed=71)
+    with engine(model, lmkv=cfg, kv_bytes=40 * BLOCK * 2048, max_len=512, batched_tokens=1024) as e:
+        for i in range(3):  # every block of the pool used once: none is handed out fresh any more
+            generate(e, [prompt(300, seed=90 + i)])
+        expected = generate(e, [a])  # 15 blocks, at the queue's tail once finished
+        generate(e, [prompt(300, seed=95 + i) for i in range(3)])  # one step takes 30 blocks
+        stats = lmkv_stats(e)["transfers"]
+        assert stats["rescued_pages"] > 0
+        before = loaded(e)
+        outs = run(e, [a])
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        assert outs[0].num_cached_tokens == 14 * BLOCK  # all but the block of the last token (computed)
+        assert loaded(e) - before > 0
+
+
 def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
     """GraniteMoeHybrid (Mamba2 + attention layers), prefix caching off (the engine's own cache
     does not run such a model on this CPU): lmkv restores the attention pages and the Mamba state

@@ -56,3 +56,33 @@ def test_a_layer_the_forward_did_not_wait_for_is_recomputed():
             w.before_layer(name)
         w.end()
         assert w.take_errors() == set(BLOCK_IDS)
+
+
+def test_rescued_blocks_are_copied_before_the_forward_writes_them():
+    """Blocks lazy offload rescues were just given to the step's requests: their pages hold the bytes
+    from before the forward, the other stores' pages the bytes the forward left, layer by layer."""
+    layout = attention_layout("attn", LAYERS, TOKENS, 2, 64, 2, "bfloat16")
+    names = {f"l{i}": (0, i) for i in range(LAYERS)}
+    gen = torch.Generator().manual_seed(5)
+    kv = [torch.randn(BLOCKS, 2, TOKENS, 128, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    before = [t.clone() for t in kv]
+    store = TieredStore(load_config({"memory": {"capacity": "16MiB"}}, environ={}))
+    with store:
+        w = LayerwiseTransfer(store, [layout], [kv], names)
+        rescue = PageOp("", 0, CHAINS[:2], [6, 1], [])
+        later = PageOp("", 0, CHAINS[2:], [4, 2], [])
+        w.begin(StepPlan(stores=[later], rescues=[rescue]))
+        for i, name in enumerate(names):  # the forward writes every block of layer i, then its hook runs
+            kv[i].add_(1)
+            w.after_layer(name)
+        w.end()
+        out = [torch.zeros_like(t) for t in kv]
+        r = LayerwiseTransfer(store, [layout], [out], names)
+        r.begin(StepPlan(loads=[PageOp("x", 0, CHAINS, BLOCK_IDS, list(range(4)))]))
+        r.start_loads()
+        for name in names:
+            r.before_layer(name)
+        r.end()
+        for i in range(LAYERS):
+            assert torch.equal(out[i][[6, 1]], before[i][[6, 1]])
+            assert torch.equal(out[i][[4, 2]], kv[i][[4, 2]])
