@@ -2,17 +2,33 @@
 
 ``block_copy.cu`` gathers engine KV blocks into page buffers and scatters them back,
 all layers of a step in one launch or one layer at a time. CuPy compiles it with
-NVRTC (or hiprtc on ROCm) on first use, so nothing is built at install time. It
-handles layouts whose per-layer blocks are contiguous; :mod:`lmkv.blockcopy` is the
-reference it is tested against (on a GPU) and the path for every other layout.
+NVRTC (or hiprtc on ROCm) on first use, so nothing is built at install time.
+
+:class:`KernelLayerBlocks` is one CUDA layer tensor behind the same ``gather`` /
+``scatter`` interface as :class:`lmkv.blockcopy.LayerBlocks` (the CPU reference the
+kernel is tested against, and the path for what the kernel cannot do): pages in pinned
+host memory (the memory tier's arena) are copied by the kernel straight over the bus,
+one launch per layer; a page elsewhere (a temporary buffer) goes through torch. The
+kernel writes the same bytes as the reference: a block's elements in its logical order
+(``layer[block]`` as torch copies it), whatever the engine's physical layout, so a page
+stored by a GPU engine loads into a CPU one and back.
+
+Copies are queued on torch's current stream, after the layer's compute and before the
+next layer's: the caller synchronizes (:func:`synchronize`) before it commits or releases
+the host pages.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 THREADS = 256
 
@@ -28,7 +44,50 @@ def _kernel():
     return cupy.RawModule(code=kernel_source()).get_function("lmkv_block_copy")
 
 
-def block_copy(layer_ptrs, block_ids, page_ptrs, *, block_stride: int, block_bytes: int,
+@dataclass(frozen=True)
+class BlockShape:
+    """Where one block's bytes sit in the engine: ``rows_a`` x ``rows_b`` rows of ``row_bytes``
+    contiguous bytes, row (a, b) at ``a * src_a + b * src_b`` from the block's start; in a page
+    the rows are dense, in that order."""
+
+    rows_a: int
+    rows_b: int
+    row_bytes: int
+    src_a: int
+    src_b: int
+
+    @classmethod
+    def contiguous(cls, nbytes: int) -> BlockShape:
+        return cls(1, 1, nbytes, 0, 0)
+
+
+def block_shape(layer) -> BlockShape | None:
+    """The shape of ``layer[b]`` (a torch tensor whose first dimension is the block), or None if its
+    elements are not rows of contiguous bytes indexed by at most two strides."""
+    item = layer.element_size()
+    dims = [(n, s * item) for n, s in zip(layer.shape[1:], layer.stride()[1:]) if n != 1]
+    if not dims:
+        return BlockShape.contiguous(item)
+    if dims[-1][1] != item:
+        return None  # the innermost elements are not contiguous
+    row = dims.pop()[0] * item
+    while dims and dims[-1][1] == row:  # the next dimension continues the row
+        row *= dims.pop()[0]
+    merged: list[tuple[int, int]] = []
+    for n, s in dims:  # merge outer dimensions that step evenly into the next one
+        if merged and merged[-1][1] == n * s:
+            merged[-1] = (merged[-1][0] * n, s)
+        else:
+            merged.append((n, s))
+    if len(merged) > 2:
+        return None
+    while len(merged) < 2:
+        merged.insert(0, (1, 0))
+    (na, sa), (nb, sb) = merged
+    return BlockShape(na, nb, row, sa, sb)
+
+
+def block_copy(layer_ptrs, block_ids, page_ptrs, *, block_stride: int, shape: BlockShape,
                layer_stride: int, page_offset: int, to_pages: bool, stream=None) -> None:
     """Copy ``len(block_ids)`` x ``len(layer_ptrs)`` blocks; pointer arrays are int64 device arrays
     (CuPy arrays or torch CUDA tensors), addresses of layer tensors and page buffers."""
@@ -38,8 +97,120 @@ def block_copy(layer_ptrs, block_ids, page_ptrs, *, block_stride: int, block_byt
     if not layers or not pages:
         return
     args = (
-        cupy.asarray(layer_ptrs), cupy.asarray(block_ids), cupy.asarray(page_ptrs),
-        np.int64(block_stride), np.int64(block_bytes), np.int64(layer_stride), np.int64(page_offset),
-        np.int32(1 if to_pages else 0),
+        cupy.asarray(layer_ptrs), cupy.asarray(block_ids), cupy.asarray(page_ptrs), np.int64(block_stride),
+        np.int64(shape.rows_a), np.int64(shape.rows_b), np.int64(shape.row_bytes), np.int64(shape.src_a),
+        np.int64(shape.src_b), np.int64(layer_stride), np.int64(page_offset), np.int32(1 if to_pages else 0),
     )
     _kernel()((pages, layers), (THREADS,), args, stream=stream)
+
+
+def _address(page: np.ndarray) -> int:
+    return page.__array_interface__["data"][0]
+
+
+#: device index tensors of the runs lists copied lately: id(runs) -> (runs, (blocks, pages, rest))
+_INDEX_CACHE: dict = {}
+
+
+def _stream(device):
+    """Torch's current stream on ``device``, as CuPy sees it (the kernel is queued behind the layer)."""
+    import cupy
+    import torch
+
+    s = torch.cuda.current_stream(device)
+    try:
+        return cupy.cuda.Stream.from_external(s)  # CuPy >= 14 (torch streams speak __cuda_stream__)
+    except (AttributeError, TypeError):
+        return cupy.cuda.ExternalStream(s.cuda_stream)
+
+
+class KernelLayerBlocks:
+    """One CUDA layer tensor, addressed by block; ``device_visible(address, nbytes)`` says whether a
+    host buffer is pinned memory the GPU can reach."""
+
+    rows = None  # (the CPU layout's in-place rows: never on a GPU)
+
+    def __init__(self, layer, shape: BlockShape, device_visible: Callable[[int, int], bool]) -> None:
+        from lmkv.blockcopy import LayerBlocks, block_nbytes
+
+        self.tensor = layer
+        self.nbytes = block_nbytes(layer)
+        self.shape = shape
+        self.block_stride = layer.stride(0) * layer.element_size()
+        self.visible = device_visible
+        self.fallback = LayerBlocks(layer)  # for pages the GPU cannot reach
+        self._ptr = None
+
+    def _indices(self, runs: Sequence):
+        """The blocks and page addresses the kernel can copy (device tensors), and the runs it cannot;
+        made once for a list of runs (a step copies the same runs for every layer)."""
+        import torch
+
+        key = (id(runs), self.tensor.device)
+        hit = _INDEX_CACHE.get(key)
+        if hit is not None and hit[0] is runs:
+            return hit[1]
+        blocks: list[int] = []
+        pages: list[int] = []
+        rest = []
+        for run in runs:
+            base = _address(run.page)
+            if run.page.strides == (1,) and self.visible(base, (run.count - 1) * run.stride + len(run.page)):
+                blocks.extend(range(run.block, run.block + run.count))
+                pages.extend(base + i * run.stride for i in range(run.count))
+            else:
+                rest.append(run)
+        dev = self.tensor.device
+        made = (torch.tensor(blocks, dtype=torch.int64, device=dev),
+                torch.tensor(pages, dtype=torch.int64, device=dev), rest)
+        if len(_INDEX_CACHE) >= 8:  # a step's loads and stores, per group: a few lists at a time
+            _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
+        _INDEX_CACHE[key] = (runs, made)  # (holding the list keeps its id from being reused)
+        return made
+
+    def _copy(self, runs: Sequence, start: int, to_pages: bool) -> list:
+        import torch
+
+        blocks, pages, rest = self._indices(runs)
+        if len(blocks):
+            if self._ptr is None:
+                self._ptr = torch.tensor([self.tensor.data_ptr()], dtype=torch.int64, device=self.tensor.device)
+            block_copy(self._ptr, blocks, pages, block_stride=self.block_stride, shape=self.shape,
+                       layer_stride=0, page_offset=start, to_pages=to_pages, stream=_stream(self.tensor.device))
+        return rest
+
+    def gather(self, runs: Sequence, start: int) -> None:
+        """Queue the copy of each run's blocks into its pages' ``[start:start + nbytes]``."""
+        rest = self._copy(runs, start, True)
+        if rest:
+            self.fallback.gather(rest, start)
+
+    def scatter(self, runs: Sequence, start: int) -> None:
+        """Queue the copy of each run's pages' ``[start:start + nbytes]`` into its blocks."""
+        rest = self._copy(runs, start, False)
+        if rest:
+            self.fallback.scatter(rest, start)
+
+
+def kernel_layer_blocks(layer, device_visible: Callable[[int, int], bool]) -> KernelLayerBlocks | None:
+    """The kernel's view of a CUDA layer tensor, or None where it cannot copy it (CuPy missing, a
+    layout it cannot express): the caller then copies with torch."""
+    shape = block_shape(layer)
+    if shape is None:
+        log.warning("lmkv: a KV layout the copy kernel cannot express (shape %s, strides %s): copying with "
+                    "torch", tuple(layer.shape), layer.stride())
+        return None
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        log.warning("lmkv: CuPy is not installed (pip install 'lmkv[gpu]'): copying KV blocks with torch")
+        return None
+    return KernelLayerBlocks(layer, shape, device_visible)
+
+
+def synchronize(tensors: Sequence) -> None:
+    """Wait for the copies queued on torch's current stream of each device these tensors are on."""
+    import torch
+
+    for dev in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.current_stream(dev).synchronize()

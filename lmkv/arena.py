@@ -104,5 +104,11 @@ class HostArena:
             with self._plock:
                 self._populated = end
 
+    def device_visible(self, address: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``address`` lie in this arena and it is pinned: a GPU copy kernel can
+        then read and write them directly (pinned memory is mapped under unified addressing)."""
+        base = self.buf.ctypes.data
+        return self.pinned and base <= address and address + nbytes <= base + self.capacity
+
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.buf[offset : offset + nbytes]

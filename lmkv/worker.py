@@ -52,6 +52,17 @@ IDLE_WAIT_S = 0.005
 LOAD_CHUNK_PAGES = 32
 
 
+def _layer_blocks(t: torch.Tensor, device_visible):
+    """A layer's copier: the CUDA kernel for a GPU tensor where it can copy it, else torch."""
+    if t.device.type == "cuda":
+        from lmkv.cuda import kernel_layer_blocks
+
+        k = kernel_layer_blocks(t, device_visible)
+        if k is not None:
+            return k
+    return LayerBlocks(t)
+
+
 @dataclass
 class TransferCounts:
     loaded_pages: int = 0
@@ -116,7 +127,8 @@ class LayerwiseTransfer:
         """``tensors[g][l]`` is layer ``l`` of group ``g``; ``layer_names`` maps the engine's names to (g, l)."""
         self.store = store
         self.groups = list(groups)
-        self.layers = [[LayerBlocks(t) for t in group] for group in tensors]
+        self.layers = [[_layer_blocks(t, store.memory.device_visible) for t in group] for group in tensors]
+        self._cuda = [t for group in tensors for t in group[:1] if t.device.type == "cuda"]
         self.layer_names = dict(layer_names)
         for layout, layers in zip(self.groups, self.layers):
             if len(layers) != layout.num_layers:
@@ -265,6 +277,7 @@ class LayerwiseTransfer:
             runs = block_runs([b for b, _ in good], [p for _, p in good])
             for layer in range(layout.num_layers):
                 self.layers[op.group][layer].scatter(runs, layout.layer_range(layer)[0])
+            self._sync()  # (before the pages are released)
             return self._landed(op, i, [v is not None for v in fetched.views])
 
     def _landed(self, op: PageOp, first: int, ok: list[bool]) -> bool:
@@ -366,24 +379,34 @@ class LayerwiseTransfer:
 
     def end(self) -> None:
         """After the forward: finish every layer, commit the stores, release the fetched pages."""
+        if self._session is not None:
+            for g in self._stores:
+                for layer in range(self.groups[g].num_layers):
+                    self._gather(g, layer)
         for g, load in self._loads.items():
             self._ready(g)
             if len(load.done_layers) < self.groups[g].num_layers:
                 # The forward ran without (some of) these layers loaded: recompute those tokens.
                 self._errors.update(load.block_ids)
+        self._sync()  # the GPU's queued copies have read and written the host pages
+        for load in self._loads.values():
             load.fetched.release()
         self._loads = {}
         self._release_held()
         if self._session is not None:
-            for g in self._stores:
-                for layer in range(self.groups[g].num_layers):
-                    self._gather(g, layer)
             results = self._session.commit()
             for lay, ok in zip(self._session.layouts, results):
                 if ok:
                     self.stats.add(lay.name, stored_pages=1, stored_bytes=lay.payload_bytes)
             self._session = None
         self._stores = {}
+
+    def _sync(self) -> None:
+        """Wait for the copies the CUDA kernel queued (a no-op on a CPU engine)."""
+        if self._cuda:
+            from lmkv.cuda import synchronize
+
+            synchronize(self._cuda)
 
     def take_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
@@ -396,6 +419,10 @@ class LayerwiseTransfer:
 
     def _abort_leftovers(self) -> None:
         """A step that never reached :meth:`end` (an engine error) leaves nothing behind."""
+        try:
+            self._sync()
+        except Exception:  # a failed step can leave the device in error: the pages are dropped anyway
+            log.exception("lmkv: waiting for the last step's copies failed")
         self._release_held()
         if self._session is not None:
             self._session.abort()

@@ -11,11 +11,11 @@ from lmkv.blockcopy import LayerBlocks, as_bytes_array, block_runs  # noqa: E402
 L, B, H, N, C = 3, 10, 2, 16, 8  # layers, blocks, heads, tokens per block, content elements
 
 
-def views(order: str) -> list[torch.Tensor]:
+def views(order: str, device: str = "cpu") -> list[torch.Tensor]:
     """Per-layer [B, H, N, C] views carved from one backing allocation in physical ``order``
     (vLLM's KVCacheLayout names: letters are the dims from outermost to innermost)."""
     sizes = dict(L=L, B=B, H=H, N=N, C=C)
-    backing = torch.randn([sizes[d] for d in order]).to(torch.bfloat16)
+    backing = torch.randn([sizes[d] for d in order], device=device).to(torch.bfloat16)
     logical = backing.permute([order.index(d) for d in "LBHNC"])
     return [logical[layer] for layer in range(L)]
 

@@ -4,9 +4,56 @@ reference where a GPU is present."""
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
-from lmkv.cuda import kernel_source
+from lmkv.cuda import BlockShape, block_shape, kernel_source
+
+torch = pytest.importorskip("torch")
+
+from test_blockcopy import B, C, H, L, N, views  # noqa: E402
+
+from lmkv.blockcopy import LayerBlocks, block_runs  # noqa: E402
+
+ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]  # every physical layout vLLM may pick
+
+
+def _kernel_on_cpu(layer, blocks: list[int], pages: list[np.ndarray], start: int) -> None:
+    """What the kernel does for one layer, addressed byte by byte the same way, on a CPU tensor."""
+    shape = block_shape(layer)
+    item = layer.element_size()
+    mem = torch.empty(0, dtype=torch.uint8).set_(layer.untyped_storage()).numpy()  # the bytes under it
+    for b, page in zip(blocks, pages):
+        base = (layer.storage_offset() + b * layer.stride(0)) * item
+        for a in range(shape.rows_a):
+            for r in range(shape.rows_b):
+                src = base + a * shape.src_a + r * shape.src_b
+                dst = start + (a * shape.rows_b + r) * shape.row_bytes
+                page[dst : dst + shape.row_bytes] = mem[src : src + shape.row_bytes]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_kernels_addressing_writes_what_the_cpu_reference_writes(order):
+    """The block shape the kernel is given, for every layout: its rows, read where the shape says,
+    land in the page exactly as the reference's copy (a block's elements in logical order)."""
+    layers = views(order)
+    nbytes = LayerBlocks(layers[0]).nbytes
+    blocks = [7, 2, 5]
+    ref = [np.zeros(L * nbytes, np.uint8) for _ in blocks]
+    got = [np.zeros(L * nbytes, np.uint8) for _ in blocks]
+    for layer in range(L):
+        LayerBlocks(layers[layer]).gather(block_runs(blocks, ref), layer * nbytes)
+        _kernel_on_cpu(layers[layer], blocks, got, layer * nbytes)
+    assert all(np.array_equal(r, g) for r, g in zip(ref, got))
+
+
+def test_block_shapes():
+    item = 2
+    assert block_shape(views("LBHNC")[0]) == BlockShape.contiguous(H * N * C * item)  # one run of bytes
+    assert block_shape(views("LBNHC")[0]) == BlockShape(H, N, C * item, C * item, H * C * item)
+    assert block_shape(views("LHBNC")[0]) == BlockShape(1, H, N * C * item, 0, B * N * C * item)
+    t = torch.zeros(4, 3, 5, 6)[:, :, :, ::2]  # every other element: not rows of contiguous bytes
+    assert block_shape(t) is None
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -26,31 +73,91 @@ def test_kernel_needs_no_headers():
     assert "#include" not in kernel_source()
 
 
-def test_kernel_matches_the_cpu_reference_on_a_gpu():
-    torch = pytest.importorskip("torch")
+def _gpu():
     pytest.importorskip("cupy")
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
-    import numpy as np
 
-    from lmkv.blockcopy import LayerBlocks, block_runs
-    from lmkv.cuda import block_copy
 
-    L, B, H, N, C = 4, 32, 2, 16, 64
-    layers = [torch.randn(B, H, N, C, device="cuda").to(torch.bfloat16) for _ in range(L)]
-    nbytes = layers[0][0].numel() * 2
-    blocks = [5, 17, 2]
-    pages = torch.zeros(len(blocks), L * nbytes, dtype=torch.uint8, device="cuda")
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device="cuda")  # noqa: E731
-    block_copy(ptrs(layers), torch.tensor(blocks, device="cuda"), ptrs(list(pages)), block_stride=nbytes,
-               block_bytes=nbytes, layer_stride=nbytes, page_offset=0, to_pages=True)
-    torch.cuda.synchronize()
+def _pinned_pages(count: int, nbytes: int):
+    """Pages in one pinned buffer (as the memory tier's arena), and the check the kernel is given."""
+    buf = torch.zeros(count * nbytes, dtype=torch.uint8).pin_memory()
+    base = buf.data_ptr()
+    pages = [buf[i * nbytes : (i + 1) * nbytes].numpy() for i in range(count)]
+    return buf, pages, lambda addr, n: base <= addr and addr + n <= base + buf.numel()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("pinned", [True, False])
+def test_the_kernel_matches_the_cpu_reference_on_a_gpu(order, pinned):
+    """On a GPU, for every layout: pages gathered from CUDA blocks hold what the CPU reference gathers
+    from the same blocks, and scatter back to the same blocks (pages outside pinned memory go
+    through torch)."""
+    _gpu()
+    from lmkv.cuda import kernel_layer_blocks, synchronize
+
+    layers = views(order, "cuda")
+    nbytes = LayerBlocks(layers[0].cpu()).nbytes
+    blocks = [7, 2, 3, 5]  # 2 and 3 make a run when their pages are consecutive
+    buf, pages, visible = _pinned_pages(len(blocks), L * nbytes)
+    if not pinned:
+        visible = lambda addr, n: False  # noqa: E731
+    ks = [kernel_layer_blocks(t, visible) for t in layers]
+    for layer in range(L):
+        ks[layer].gather(block_runs(blocks, pages), layer * nbytes)
+    synchronize(layers)
     ref = [np.zeros(L * nbytes, np.uint8) for _ in blocks]
     for layer in range(L):
         LayerBlocks(layers[layer].cpu()).gather(block_runs(blocks, ref), layer * nbytes)
-    assert all(np.array_equal(pages[i].cpu().numpy(), ref[i]) for i in range(len(blocks)))
-    back = [torch.zeros_like(t) for t in layers]
-    block_copy(ptrs(back), torch.tensor(blocks, device="cuda"), ptrs(list(pages)), block_stride=nbytes,
-               block_bytes=nbytes, layer_stride=nbytes, page_offset=0, to_pages=False)
-    torch.cuda.synchronize()
+    assert all(np.array_equal(p, r) for p, r in zip(pages, ref))
+    back = views(order, "cuda")
+    for t in back:
+        t.zero_()
+    kb = [kernel_layer_blocks(t, visible) for t in back]
+    for layer in range(L):
+        kb[layer].scatter(block_runs(blocks, pages), layer * nbytes)
+    synchronize(back)
     assert all(torch.equal(back[layer][b], layers[layer][b]) for layer in range(L) for b in blocks)
+    assert all(not back[layer][b].any() for layer in range(L) for b in set(range(B)) - set(blocks))
+
+
+def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel():
+    """LayerwiseTransfer on CUDA tensors (vLLM's token-major layout) with a pinned memory tier: stores
+    layer by layer as the forward runs, a rescue before it, and a layerwise load into other blocks."""
+    _gpu()
+    from lmkv.config import load_config
+    from lmkv.cuda import KernelLayerBlocks
+    from lmkv.layout import attention_layout
+    from lmkv.plan import PageOp, StepPlan
+    from lmkv.store import TieredStore
+    from lmkv.worker import LayerwiseTransfer
+
+    layers = views("LBNHC", "cuda")
+    before = [t.clone() for t in layers]
+    layout = attention_layout("attn", L, N, H, C // 2, 2, "bfloat16")
+    names = {f"l{i}": (0, i) for i in range(L)}
+    chains = [bytes([i + 1]) * 16 for i in range(4)]
+    store = TieredStore(load_config({"memory": {"capacity": "16MiB", "pin": "always"}}, environ={}))
+    with store:
+        w = LayerwiseTransfer(store, [layout], [layers], names)
+        assert isinstance(w.layers[0][0], KernelLayerBlocks)
+        w.begin(StepPlan(stores=[PageOp("", 0, chains[2:], [4, 2], [])],
+                         rescues=[PageOp("", 0, chains[:2], [6, 1], [])]))
+        for i, name in enumerate(names):
+            layers[i].add_(1)  # the forward writes layer i, then its hook runs
+            w.after_layer(name)
+        w.end()
+        assert w.stats.totals.stored_pages == 4 and w.stats.totals.rescued_pages == 2
+        out = views("LBNHC", "cuda")
+        for t in out:
+            t.zero_()
+        r = LayerwiseTransfer(store, [layout], [out], names)
+        r.begin(StepPlan(loads=[PageOp("x", 0, chains, [0, 3, 8, 9], list(range(4)))]))
+        r.start_loads()
+        for name in names:
+            r.before_layer(name)
+        r.end()
+        assert r.take_errors() == set()
+        for i in range(L):
+            assert torch.equal(out[i][0], before[i][6]) and torch.equal(out[i][3], before[i][1])  # rescued
+            assert torch.equal(out[i][8], layers[i][4]) and torch.equal(out[i][9], layers[i][2])  # after the forward

@@ -97,6 +97,10 @@ class MemoryTier(LocalTier):
     def pinned(self) -> bool:
         return self._arena.pinned
 
+    def device_visible(self, address: int, nbytes: int) -> bool:
+        """Whether a host buffer lies in the pinned arena (a GPU copy kernel can reach it)."""
+        return self._arena.device_visible(address, nbytes)
+
     @property
     def arena_window(self):
         """The arena's shared-memory window (None unless shared and not pinned)."""
