@@ -226,8 +226,6 @@ class LazyOffload:
         self.alloc_ema = (1 - a) * self.alloc_ema + a * blocks_allocated
         if self.link_bound:
             self.burst = max(float(blocks_allocated), self.burst * BURST_DECAY)
-        # cached blocks among those the step took; beyond the walk, all of them if the walk got past the
-        # never-used blocks at the head (an engine hands those out first: vLLM keeps them there)
 
     def danger_depth(self, next_demand: int) -> int:
         return math.ceil(self.alloc_ema * self.cfg.horizon_steps) + next_demand + self.cfg.watermark_blocks
@@ -351,9 +349,10 @@ class LazyOffload:
         return cont is not None and cont < rate
 
     def _zone(self, pool: FreeQueue, depth: int, due_depth: int) -> Iterator[tuple[bytes, bool]]:
-        """Blocks worth copying within ``depth`` of the queue's head, nearest first, each with whether it
-        is due or only looked ahead at. A generator: the walk stops where the step's copies are planned,
-        so a deep lookahead costs only what is used of it."""
+        """Blocks worth copying within ``depth`` of the queue's head (with a declared link, also the cached
+        blocks a burst like the largest lately would take), nearest first, each with whether it is due or
+        only looked ahead at. A generator: the walk stops where the step's copies are planned, so a deep
+        lookahead costs only what is used of it."""
         reach, evicts, cached = 0, 0, 0
         if self.link_bound:
             reach = math.ceil(self.burst) + self.cfg.watermark_blocks
@@ -394,6 +393,6 @@ class LazyOffload:
         # Deepest pages first, like an engine freeing a request: a chain's first page, which every
         # later one needs for a prefix hit in the engine, is reused last. Blocks that were due go
         # first in line (with the ancestors copied for them); lookahead picks and early copies were not
-        # near eviction and go back behind.
+        # near eviction and go back behind. Rescued blocks belong to the step's requests: not ours to release.
         pool.release([p.block_id for p in reversed(picks) if p.due and not p.rescue], first=True)
         pool.release([p.block_id for p in reversed(picks) if not p.due], first=False)
