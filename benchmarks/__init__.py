@@ -15,6 +15,7 @@ BENCHES = {
     "redis": "the Redis tier's put/get GB/s beside raw redis-py SET/GET on a real redis-server",
     "server": "lmkv serve put/get GB/s beside a raw loopback socket and memcpy, exists ops/s, a load test",
     "offload": "eager vs eviction-aware lazy offload vs the offline oracle on vLLM's real KVCacheManager",
+    "copy": "KV blocks gathered into pages and scattered back (the CUDA kernel on a GPU) beside a contiguous copy",
 }
 
 

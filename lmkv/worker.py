@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmkv.blockcopy import BlockRun, LayerBlocks, as_bytes_array, block_runs
+from lmkv.blockcopy import BlockRun, as_bytes_array, block_runs, layer_copier
 from lmkv.errors import TierFullError
 from lmkv.keys import page_key
 from lmkv.layout import GroupLayout
@@ -50,17 +50,6 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005
 #: pages per fetch of a background load: the next chunk is read while this one is copied in
 LOAD_CHUNK_PAGES = 32
-
-
-def _layer_blocks(t: torch.Tensor, device_visible):
-    """A layer's copier: the CUDA kernel for a GPU tensor where it can copy it, else torch."""
-    if t.device.type == "cuda":
-        from lmkv.cuda import kernel_layer_blocks
-
-        k = kernel_layer_blocks(t, device_visible)
-        if k is not None:
-            return k
-    return LayerBlocks(t)
 
 
 @dataclass
@@ -127,8 +116,8 @@ class LayerwiseTransfer:
         """``tensors[g][l]`` is layer ``l`` of group ``g``; ``layer_names`` maps the engine's names to (g, l)."""
         self.store = store
         self.groups = list(groups)
-        self.layers = [[_layer_blocks(t, store.memory.device_visible) for t in group] for group in tensors]
-        self._cuda = [t for group in tensors for t in group[:1] if t.device.type == "cuda"]
+        self.layers = [[layer_copier(t, store.memory.device_visible) for t in group] for group in tensors]
+        self._cuda = [t for group in tensors for t in group[:1] if t.device.type == "cuda"]  # a layer per group
         self.layer_names = dict(layer_names)
         for layout, layers in zip(self.groups, self.layers):
             if len(layers) != layout.num_layers:

@@ -92,3 +92,21 @@ def test_runs_over_one_arena_round_trip_any_layout(order):
     for b in blocks:
         for layer in range(L):
             assert torch.equal(dst[layer].tensor[b], src[layer].tensor[b])
+
+
+def test_bench_copy_quick_json_shape(tmp_path):
+    """``lmkv bench copy``: both layouts, GB/s beside a contiguous copy of the same bytes (it checks
+    the blocks it scattered back equal those it gathered, and fails otherwise)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lmkv.cli", "bench", "copy", "--quick", "--json", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout)
+    assert report["bench"] == "copy"
+    for op in ("gather", "scatter"):
+        for order in ("LBNHC", "LBHNC"):
+            m = report["metrics"][f"{op}.{order}"]
+            assert m["unit"] == "GB/s" and m["value"] > 0 and m["baseline"] > 0 and m["baseline_what"]
+            assert m["ratio"] == pytest.approx(m["value"] / m["baseline"])
