@@ -15,7 +15,10 @@ failed load) are not noted: their bytes may be wrong.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
+
+log = logging.getLogger(__name__)
 
 
 class VllmFreeQueue:
@@ -25,7 +28,10 @@ class VllmFreeQueue:
         #: held); the queue's ``popleft_n`` is only called there, before the hashes are dropped
         self._reused: dict[int, bytes] = {}
         queue = pool.free_block_queue
-        popleft_n = queue.popleft_n
+        popleft_n = getattr(queue, "popleft_n", None)
+        if popleft_n is None:  # another vLLM: lazy offload works on, without rescues
+            log.warning("lmkv: vLLM's free block queue has no popleft_n; blocks a burst takes are not rescued")
+            return
 
         def popleft_n_noting(n: int):
             blocks = popleft_n(n)
