@@ -205,13 +205,27 @@ def test_arena_is_mapped_ahead_of_use_without_touching_its_contents():
     assert not a.buf[: 5 << 20].any()
 
 
+def test_an_arena_that_must_be_pinned_and_cannot_be_is_an_error():
+    """``memory.pin: always`` without a GPU (or over the locked-memory limit) fails clearly; ``auto``
+    runs unpinned."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU can pin it")
+    from lmkv.arena import HostArena
+
+    with pytest.raises(ValueError, match="could not be page-locked"):
+        HostArena(1 << 20, pin="always")
+    a = HostArena(1 << 20, pin="auto")
+    assert not a.pinned and not a.device_visible(a.buf.ctypes.data, 4096)
+
+
 def test_memory_tier_maps_ahead_of_the_slots_it_hands_out(layout):
     from lmkv.config import MemoryConfig
     from lmkv.tiers.memory import POPULATE_AHEAD, MemoryTier
 
     from conftest import make_pages
 
-    t = MemoryTier(MemoryConfig(capacity=POPULATE_AHEAD * 2))
+    t = MemoryTier(MemoryConfig(capacity=POPULATE_AHEAD * 2, pin="never"))  # (a page-locked arena is mapped whole)
     _, _, pages = make_pages(layout, 2)
     t.put(pages, "w0")
     _wait_populated(t._arena)
