@@ -50,7 +50,8 @@ class MemoryConfig(_Section):
         False, description="verify page checksums on in-process reads (they never cross a boundary)"
     )
     pin: Literal["auto", "always", "never"] = Field(
-        "auto", description="page-lock the arena: auto = when CUDA is available"
+        "auto", description="page-lock the arena in place (cudaHostRegister) for the GPU copy kernel: auto = "
+        "when CUDA is available (unpinned, with a warning, if that fails), always = an error if it fails"
     )
     prefault: bool = Field(
         False, description="map the whole arena at start-up, in the background (otherwise it is mapped "
