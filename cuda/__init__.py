@@ -21,6 +21,7 @@ the host pages.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -108,8 +109,10 @@ def _address(page: np.ndarray) -> int:
     return page.__array_interface__["data"][0]
 
 
-#: device index tensors of the runs lists copied lately: id(runs) -> (runs, (blocks, pages, rest))
+#: device index tensors of the runs lists copied lately: id(runs) -> (runs, (blocks, pages, rest)); the
+#: worker's background loads use it from their own threads
 _INDEX_CACHE: dict = {}
+_INDEX_LOCK = threading.Lock()
 
 
 def _stream(device):
@@ -147,7 +150,8 @@ class KernelLayerBlocks:
         import torch
 
         key = (id(runs), self.tensor.device)
-        hit = _INDEX_CACHE.get(key)
+        with _INDEX_LOCK:
+            hit = _INDEX_CACHE.get(key)
         if hit is not None and hit[0] is runs:
             return hit[1]
         blocks: list[int] = []
@@ -163,9 +167,10 @@ class KernelLayerBlocks:
         dev = self.tensor.device
         made = (torch.tensor(blocks, dtype=torch.int64, device=dev),
                 torch.tensor(pages, dtype=torch.int64, device=dev), rest)
-        if len(_INDEX_CACHE) >= 8:  # a step's loads and stores, per group: a few lists at a time
-            _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
-        _INDEX_CACHE[key] = (runs, made)  # (holding the list keeps its id from being reused)
+        with _INDEX_LOCK:
+            if len(_INDEX_CACHE) >= 8:  # a step's loads and stores, per group: a few lists at a time
+                _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
+            _INDEX_CACHE[key] = (runs, made)  # (holding the list keeps its id from being reused)
         return made
 
     def _copy(self, runs: Sequence, start: int, to_pages: bool) -> list:
