@@ -161,3 +161,19 @@ def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel():
         for i in range(L):
             assert torch.equal(out[i][0], before[i][6]) and torch.equal(out[i][3], before[i][1])  # rescued
             assert torch.equal(out[i][8], layers[i][4]) and torch.equal(out[i][9], layers[i][2])  # after the forward
+        # a background load: copied on a store I/O thread (its own stream), waited for before it is reported
+        for t in out:
+            t.zero_()
+        r.begin(StepPlan(async_loads=[PageOp("y", 0, chains, [5, 7, 1, 2], list(range(4)))]))
+        r.start_loads()
+        r.end()
+        done: set = set()
+        for _ in range(200):
+            got, failed = r.transfer_results(idle=True)
+            assert not failed
+            done |= got
+            if done:
+                break
+        assert done == {"y"}
+        for i in range(L):
+            assert torch.equal(out[i][5], before[i][6]) and torch.equal(out[i][2], layers[i][2])
