@@ -174,14 +174,17 @@ class KernelLayerBlocks:
         return made
 
     def _copy(self, runs: Sequence, start: int, to_pages: bool) -> list:
+        import cupy
         import torch
 
         blocks, pages, rest = self._indices(runs)
         if len(blocks):
             if self._ptr is None:
                 self._ptr = torch.tensor([self.tensor.data_ptr()], dtype=torch.int64, device=self.tensor.device)
-            block_copy(self._ptr, blocks, pages, block_stride=self.block_stride, shape=self.shape,
-                       layer_stride=0, page_offset=start, to_pages=to_pages, stream=_stream(self.tensor.device))
+            # the tensor's device, not the thread's current one (a store I/O thread's is device 0)
+            with cupy.cuda.Device(self.tensor.device.index):
+                block_copy(self._ptr, blocks, pages, block_stride=self.block_stride, shape=self.shape,
+                           layer_stride=0, page_offset=start, to_pages=to_pages, stream=_stream(self.tensor.device))
         return rest
 
     def gather(self, runs: Sequence, start: int) -> None:
