@@ -74,7 +74,8 @@ class LMKVWorkerMeta(KVConnectorWorkerMetadata):
 
 @dataclass
 class LMKVConnectorStats(KVConnectorStats):
-    """Per-step worker counts (pages loaded, failed, stored, bytes), summed across workers."""
+    """Per-step counts, summed across workers: pages loaded, failed, stored, bytes (the workers'), and
+    the scheduler's ``scheduler.*`` (lookups, planned loads and stores, lazy offload's decisions)."""
 
     def reset(self) -> None:
         self.data = {}
@@ -343,9 +344,15 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         return LMKVWorkerMeta(delta, failed) if delta or failed else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.worker is None:
+        """The worker's transfer counts; on the scheduler side, its own counts as ``scheduler.*``
+        (vLLM merges both into its KV connector stats)."""
+        if self.worker is not None:
+            data = self.worker.stats.take()
+        elif self.scheduler is not None:
+            data = {f"scheduler.{k}": v for k, v in self.scheduler.take_stats().items()}
+        else:
             return None
-        stats = LMKVConnectorStats(data=self.worker.stats.take())
+        stats = LMKVConnectorStats(data=data)
         return None if stats.is_empty() else stats
 
     @classmethod

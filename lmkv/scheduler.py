@@ -121,6 +121,7 @@ class OffloadScheduler:
         self.namespace = namespace
         self.requests: dict[str, RequestState] = {}
         self.stats = SchedulerStats()
+        self._reported: dict[str, int] = {}  # the counts :meth:`take_stats` last returned, as totals
         self.offload = offload
         # lazy offload: active once the engine's free queue is bound (eager stores until then)
         self.lazy: LazyOffload | None = None
@@ -131,6 +132,16 @@ class OffloadScheduler:
         self._engine_key: Callable[[int, bytes], bytes] | None = None
         self._engine_pages: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()  # engine hash -> (group, chain)
         self._inflight: list[Pick] = []
+
+    def take_stats(self) -> dict[str, int]:
+        """What this side counted since the last call (lookups, planned loads and stores, and lazy
+        offload's decisions as ``lazy.*``: planned, rescued, unlikely, ...), for the engine's stats."""
+        totals = dict(vars(self.stats))
+        if self.lazy is not None:
+            totals.update({f"lazy.{k}": v for k, v in vars(self.lazy.stats).items()})
+        out = {k: v - self._reported.get(k, 0) for k, v in totals.items()}
+        self._reported = totals
+        return out
 
     def bind_free_queue(self, pool: FreeQueue, engine_key: Callable[[int, bytes], bytes]) -> None:
         """The engine's block pool, for lazy offload; ``engine_key(group, block hash)`` is how the

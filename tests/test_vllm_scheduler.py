@@ -76,6 +76,7 @@ class Harness:
         self.cfg.cache_config.num_gpu_blocks = num_blocks
         self.sched = Scheduler(vllm_config=self.cfg, kv_cache_config=self.kv_cache_config, log_stats=True,
                                structured_output_manager=StructuredOutputManager(self.cfg), block_size=BLOCK)
+        self.connector_stats: dict[str, int] = {}
 
     def close(self) -> None:
         self.sched.connector.shutdown()
@@ -132,6 +133,7 @@ class Harness:
         kvo = KVConnectorOutput(
             finished_recving=results.finished_recving, failed_recving=results.failed_recving,
             invalid_block_ids=errors, kv_connector_worker_meta=meta,
+            kv_connector_stats=self.worker.get_kv_connector_stats(),
         )
         reqs = [self.sched.requests[r] for r in ids]
         # A chunk that ends inside the prompt samples nothing.
@@ -139,7 +141,10 @@ class Harness:
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=sampled_ids, logprobs=None,
                                 prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kvo)
-        self.sched.update_from_output(so, out)
+        for eco in self.sched.update_from_output(so, out).values():
+            kv = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
+            for k, v in (kv or {}).items():  # what vLLM's stats loggers get, summed over the steps
+                self.connector_stats[k] = self.connector_stats.get(k, 0) + v
         return so
 
     def run(self, *reqs) -> None:
@@ -378,6 +383,10 @@ def test_lazy_offload_copies_blocks_as_the_engine_is_about_to_reuse_them(model_c
         assert totals.loaded_pages - before == 4 - kept  # the rest of (70 - 1) // 16 full pages, from lmkv
         h.check_kv(again, 64)
         assert pool.get_num_free_blocks() == 23  # every protected block was released
+        # vLLM's KV connector stats carry the scheduler side's decisions beside the workers' transfers
+        stats = h.connector_stats
+        assert stats["scheduler.lazy.planned"] == stats["scheduler.stored_pages"] == stats["stored_pages"] > 0
+        assert stats["loaded_pages"] == totals.loaded_pages and stats["scheduler.lookups"] > 0
     finally:
         h.close()
 
