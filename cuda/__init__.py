@@ -205,15 +205,21 @@ def kernel_layer_blocks(layer, device_visible: Callable[[int, int], bool]) -> Ke
     layout it cannot express): the caller then copies with torch."""
     shape = block_shape(layer)
     if shape is None:
-        log.warning("lmkv: a KV layout the copy kernel cannot express (shape %s, strides %s): copying with "
-                    "torch", tuple(layer.shape), layer.stride())
+        _warn_once(f"lmkv: a KV layout the copy kernel cannot express (shape {tuple(layer.shape)}, strides "
+                   f"{layer.stride()}): copying with torch")
         return None
     try:
         import cupy  # noqa: F401
     except ImportError:
-        log.warning("lmkv: CuPy is not installed (pip install 'lmkv[gpu]'): copying KV blocks with torch")
+        _warn_once("lmkv: CuPy is not installed (pip install 'lmkv[gpu]'): copying KV blocks with torch")
         return None
     return KernelLayerBlocks(layer, shape, device_visible)
+
+
+@cache
+def _warn_once(message: str) -> None:
+    """(An engine registers every layer: one warning, not one per layer.)"""
+    log.warning(message)
 
 
 def synchronize(tensors: Sequence) -> None:

@@ -368,6 +368,7 @@ class LayerwiseTransfer:
 
     def end(self) -> None:
         """After the forward: finish every layer, commit the stores, release the fetched pages."""
+        copied = self._session is not None or bool(self._loads)  # (a step without either waits for nothing)
         if self._session is not None:
             for g in self._stores:
                 for layer in range(self.groups[g].num_layers):
@@ -377,7 +378,8 @@ class LayerwiseTransfer:
             if len(load.done_layers) < self.groups[g].num_layers:
                 # The forward ran without (some of) these layers loaded: recompute those tokens.
                 self._errors.update(load.block_ids)
-        self._sync()  # the GPU's queued copies have read and written the host pages
+        if copied:
+            self._sync()  # the GPU's queued copies have read and written the host pages
         for load in self._loads.values():
             load.fetched.release()
         self._loads = {}
@@ -409,7 +411,8 @@ class LayerwiseTransfer:
     def _abort_leftovers(self) -> None:
         """A step that never reached :meth:`end` (an engine error) leaves nothing behind."""
         try:
-            self._sync()
+            if self._session is not None or self._loads:
+                self._sync()
         except Exception:  # a failed step can leave the device in error: the pages are dropped anyway
             log.exception("lmkv: waiting for the last step's copies failed")
         self._release_held()
