@@ -86,3 +86,25 @@ def test_rescued_blocks_are_copied_before_the_forward_writes_them():
         for i in range(LAYERS):
             assert torch.equal(out[i][[6, 1]], before[i][[6, 1]])
             assert torch.equal(out[i][[4, 2]], kv[i][[4, 2]])
+
+
+def test_a_step_without_copies_does_not_wait_for_the_device():
+    """On a GPU the end of a step waits for the kernel's queued copies, which sit behind the forward: a
+    step that stores and loads nothing (most steps with lazy offload) must not wait."""
+    store, w, op, full, empty, names = _setup()
+    waits = []
+    w._sync = lambda: waits.append(1)
+    with store:
+        w.begin(StepPlan())
+        w.start_loads()
+        for name in names:
+            w.before_layer(name)
+            w.after_layer(name)
+        w.end()
+        assert waits == []
+        w.begin(StepPlan(loads=[op]))
+        w.start_loads()
+        for name in names:
+            w.before_layer(name)
+        w.end()
+        assert waits == [1]
