@@ -105,10 +105,6 @@ def block_copy(layer_ptrs, block_ids, page_ptrs, *, block_stride: int, shape: Bl
     _kernel()((pages, layers), (THREADS,), args, stream=stream)
 
 
-def _address(page: np.ndarray) -> int:
-    return page.__array_interface__["data"][0]
-
-
 #: device index tensors of the runs lists copied lately: id(runs) -> (runs, (blocks, pages, rest)); the
 #: worker's background loads use it from their own threads
 _INDEX_CACHE: dict = {}
@@ -149,6 +145,8 @@ class KernelLayerBlocks:
         made once for a list of runs (a step copies the same runs for every layer)."""
         import torch
 
+        from lmkv.blockcopy import address
+
         key = (id(runs), self.tensor.device)
         with _INDEX_LOCK:
             hit = _INDEX_CACHE.get(key)
@@ -158,7 +156,7 @@ class KernelLayerBlocks:
         pages: list[int] = []
         rest = []
         for run in runs:
-            base = _address(run.page)
+            base = address(run.page)
             if run.page.strides == (1,) and self.visible(base, (run.count - 1) * run.stride + len(run.page)):
                 blocks.extend(range(run.block, run.block + run.count))
                 pages.extend(base + i * run.stride for i in range(run.count))

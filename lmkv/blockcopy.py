@@ -49,7 +49,8 @@ class BlockRun:
     stride: int
 
 
-def _address(page: np.ndarray) -> int:
+def address(page: np.ndarray) -> int:
+    """Where a page buffer's bytes start in memory."""
     return page.__array_interface__["data"][0]
 
 
@@ -66,7 +67,7 @@ def block_runs(block_ids: Sequence[int], pages: Sequence[np.ndarray]) -> list[Bl
     runs: list[BlockRun] = []
     first, count, stride, prev = 0, 0, 0, 0
     for i, (b, page) in enumerate(zip(block_ids, pages)):
-        addr = _address(page)
+        addr = address(page)
         if count and b == block_ids[first] + count and len(page) == len(pages[first]) and page.strides == (1,):
             step = addr - prev
             if (count == 1 and step >= len(page) and step % 8 == 0) or (count > 1 and step == stride):

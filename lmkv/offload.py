@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from lmkv.config import OffloadConfig
@@ -291,14 +291,19 @@ class LazyOffload:
     def _rescues(self, reused: list[tuple[int, bytes]], pool: FreeQueue) -> Iterator[tuple[bytes, bool]]:
         """The blocks handed out this step worth copying (judged as a due block would be)."""
         for _, h in reused:
-            if self.in_tier(h) or h in self.inflight or self._one_shot(h):
-                continue
-            if pool.cached_block(h) is not None:
-                continue  # cached again in another block (a request allocated the same page)
-            if self.estimating and self._unlikely(h):
-                self.stats.unlikely += 1
-                continue
-            yield h, True
+            # (a page cached again in another block: a request allocated the same page, not computed yet)
+            if pool.cached_block(h) is None and self._worth(h):
+                yield h, True
+
+    def _worth(self, h: bytes) -> bool:
+        """Whether a block about to be lost is worth its copy: lmkv lacks it, no copy of it is in flight,
+        its family repeats itself, and (without a declared link) blocks like it were needed often enough."""
+        if self.in_tier(h) or h in self.inflight or self._one_shot(h):
+            return False
+        if self.estimating and self._unlikely(h):
+            self.stats.unlikely += 1
+            return False
+        return True
 
     def _add(self, picks: list[Pick], chosen: set[bytes], budget: int, pool: FreeQueue,
              wanted: Iterator[tuple[bytes, bool]], gone: dict[bytes, int] | None) -> None:
@@ -319,7 +324,7 @@ class LazyOffload:
                 self.stats.capped_steps += 1
             self.stats.closure_added += max(0, len(chain) - 1)
             for p in chain:
-                picks.append(Pick(p.block_id, p.block_hash, due=due, rescue=p.rescue))
+                picks.append(replace(p, due=due))
                 chosen.add(p.block_hash)
                 if self.estimating and p.block_hash != h:
                     self.reuse.watch(p.block_hash, self._step)  # its outcome teaches the estimate too
@@ -364,12 +369,8 @@ class LazyOffload:
             if h is None:
                 continue
             cached += 1
-            if self.in_tier(h) or h in self.inflight or self._one_shot(h):
-                continue
-            if self.estimating and self._unlikely(h):
-                self.stats.unlikely += 1
-                continue
-            yield h, i < due_depth or in_burst
+            if self._worth(h):
+                yield h, i < due_depth or in_burst
 
     def _fill(self, pool: FreeQueue, picks: list[Pick], chosen: set[bytes], budget: int) -> None:
         """The link is the bottleneck: the budget the danger zone leaves this step goes to the oldest
