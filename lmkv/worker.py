@@ -368,7 +368,7 @@ class LayerwiseTransfer:
 
     def end(self) -> None:
         """After the forward: finish every layer, commit the stores, release the fetched pages."""
-        copied = self._session is not None or bool(self._loads)  # (a step without either waits for nothing)
+        copied = self._copying  # (read before the session and the loads are cleared below)
         if self._session is not None:
             for g in self._stores:
                 for layer in range(self.groups[g].num_layers):
@@ -392,6 +392,11 @@ class LayerwiseTransfer:
             self._session = None
         self._stores = {}
 
+    @property
+    def _copying(self) -> bool:
+        """Whether this step queued copies (stores or loads): a step without any waits for nothing."""
+        return self._session is not None or bool(self._loads)
+
     def _sync(self) -> None:
         """Wait for the copies the CUDA kernel queued (a no-op on a CPU engine)."""
         if self._cuda:
@@ -411,7 +416,7 @@ class LayerwiseTransfer:
     def _abort_leftovers(self) -> None:
         """A step that never reached :meth:`end` (an engine error) leaves nothing behind."""
         try:
-            if self._session is not None or self._loads:
+            if self._copying:
                 self._sync()
         except Exception:  # a failed step can leave the device in error: the pages are dropped anyway
             log.exception("lmkv: waiting for the last step's copies failed")
