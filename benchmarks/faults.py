@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmkv.benchmarks.report import Report
-from lmkv.local_engine import close, prepare_env
-from lmkv.tinymodels import make_llama
+from lmkv.dev.local_engine import close, prepare_env
+from lmkv.dev.tinymodels import make_llama
 
 log = logging.getLogger("lmkv.bench.faults")
 
@@ -116,7 +116,7 @@ def run(quick: bool, directory: str | None = None) -> Report:
         faulty_s = time.perf_counter() - t0
         if not crashes:
             stats = llm.collective_rpc("lmkv_stats")[0]
-            from lmkv.runtime import live_stores
+            from lmkv.engine.stores import live_stores
 
             for store in live_stores().values():
                 injected = dict(store.tiers[1].injected)

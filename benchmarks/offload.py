@@ -1,5 +1,5 @@
 """``lmkv bench offload``: eager write-through, eviction-aware lazy offload and the offline oracle,
-replayed on vLLM's real ``KVCacheManager`` (:mod:`lmkv.offload_sim`) over the same seeded traces.
+replayed on vLLM's real ``KVCacheManager`` (:mod:`lmkv.offload.sim`) over the same seeded traces.
 
 - Mixed trace (agent sessions with tool gaps + repeatedly queried documents + a no-reuse
   stream) with the engine's KV budget at 1/1.25, 1/2 and 1/3 of the trace's distinct
@@ -24,8 +24,8 @@ import logging
 import tempfile
 from pathlib import Path
 
-from lmkv.offload_sim import SimConfig, distinct_blocks, simulate
-from lmkv.traces import TraceRequest, generate, load, save
+from lmkv.offload.sim import SimConfig, distinct_blocks, simulate
+from lmkv.offload.traces import TraceRequest, generate, load, save
 
 from lmkv.benchmarks.report import Report
 

@@ -27,7 +27,7 @@ import redis.asyncio as aredis
 
 from lmkv.config import RemoteConfig
 from lmkv.page import make_header
-from lmkv.redis_server import start_redis
+from lmkv.dev.redis_server import start_redis
 from lmkv.tiers.redis import RedisTier
 
 from lmkv.benchmarks.report import Report, gbps, interleaved, timed

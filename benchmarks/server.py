@@ -12,7 +12,7 @@
   baseline: a numpy memcpy of the same bytes. ``server.shm_staged.*``: buffers
   outside the arena, staged through the connection's window (two copies).
 - ``server.exists``: single-key ``contains`` calls per second (a round trip each).
-- ``load.*``: :func:`lmkv.load_test.run_load`, N clients for M seconds of mixed
+- ``load.*``: :func:`lmkv.dev.load_test.run_load`, N clients for M seconds of mixed
   put / get / exists; every page read back is compared byte for byte.
 """
 
@@ -29,10 +29,10 @@ import numpy as np
 
 from lmkv import shm_window
 from lmkv.config import RemoteConfig
-from lmkv.load_test import run_load
+from lmkv.dev.load_test import run_load
 from lmkv.page import make_header
 from lmkv.protocol import recv_exact
-from lmkv.server import spawn
+from lmkv.dev.server_process import spawn
 from lmkv.tiers.server_client import ServerTier
 
 from lmkv.benchmarks.report import Report, gbps, interleaved, timed

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmkv.local_engine import close, prepare_env
-from lmkv.tinymodels import LLAMA_BENCH, make_llama
+from lmkv.dev.local_engine import close, prepare_env
+from lmkv.dev.tinymodels import LLAMA_BENCH, make_llama
 
 from lmkv.benchmarks.report import Report
 
@@ -135,7 +135,7 @@ def _example_transfer(path: Path):
 
 def _settle() -> None:
     """Let lmkv's background write-through finish, so it does not run during a timed hit."""
-    from lmkv.runtime import live_stores
+    from lmkv.engine.stores import live_stores
 
     for store in live_stores().values():
         store.drain()
@@ -143,7 +143,7 @@ def _settle() -> None:
 
 def _drop_lmkv_memory() -> None:
     """Empty lmkv's memory tier (in-process engine) so the next hit is served from disk."""
-    from lmkv.runtime import live_stores
+    from lmkv.engine.stores import live_stores
 
     for store in live_stores().values():
         store.drain()  # the write-through copies must have landed first

@@ -43,7 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from lmkv.config import load_config
 from lmkv.errors import LMKVError, TierFullError
 from lmkv.keys import KeySpace, page_key
-from lmkv.runtime import acquire_store, release_store
+from lmkv.engine.stores import acquire_store, release_store
 
 from .sglang_pools import PoolPages, describe_pool
 

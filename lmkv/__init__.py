@@ -9,7 +9,8 @@ adapters live in :mod:`lmkv.connectors`.
 from lmkv.config import ConfigError, LMKVConfig, load_config
 from lmkv.keys import KeySpace, chain_hashes, page_key, page_keys
 from lmkv.layout import GroupLayout, Growth, Segment, StateKind, attention_layout
-from lmkv.store import Lookup, TieredStore
+from lmkv.lookup import Lookup
+from lmkv.store import TieredStore
 
 __version__ = "0.1.0"
 

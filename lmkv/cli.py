@@ -39,7 +39,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from lmkv.demo import DemoArgs, run
+    from lmkv.dev.demo import DemoArgs, run
 
     return run(DemoArgs(docs=args.docs, doc_tokens=args.doc_tokens, disk=args.disk))
 

@@ -22,7 +22,6 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
-from lmkv.faults import FaultSpec
 
 ENV_PREFIX = "LMKV_"
 ENV_NESTING = "__"
@@ -171,6 +170,17 @@ class ServerConfig(_Section):
     max_connections: int = Field(256, ge=1, le=65536, description="clients served at once; more are refused")
     max_bulk: ByteSize = Field(ByteSize(256 << 20), description="largest request or reply body")
     idle_timeout: float = Field(600.0, gt=0, description="seconds a silent client keeps its connection")
+
+
+class FaultSpec(_Section):
+    """Faults injected into one lower tier's loads (:mod:`lmkv.tiers.faults`)."""
+
+    missing_rate: float = Field(0.0, ge=0, le=1)
+    corrupt_rate: float = Field(0.0, ge=0, le=1)
+    short_read_rate: float = Field(0.0, ge=0, le=1)
+    delay_ms: float = Field(0.0, ge=0)
+    outages: list[tuple[float, float]] = Field(default_factory=list)
+    seed: int = 0
 
 
 class LMKVConfig(_Section):

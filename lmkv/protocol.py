@@ -24,6 +24,7 @@ a closed connection), never a crash.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import socket
 import struct
 
@@ -35,10 +36,21 @@ from lmkv.page import MAX_UNITS
 
 MAGIC = b"LKV1"
 FRAME = struct.Struct("<4sB3xIQ")
-FRAME_BYTES = FRAME.size  # 16
+FRAME_BYTES = FRAME.size  # 20
 MAX_META = 1 << 20
 MAX_KEYS = 4096
 PROTOCOL_VERSION = 1
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only: a server bound there may run without a token,
+    and a client talking to it may offer shared memory."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Op(enum.IntEnum):

@@ -21,17 +21,13 @@ from __future__ import annotations
 
 import hmac
 import itertools
-import ipaddress
 import logging
 import mmap
 import os
 import signal
 import socket
 import ssl
-import subprocess
-import sys
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -60,6 +56,7 @@ from lmkv.protocol import (
     discard,
     encode,
     frame,
+    is_loopback,
     read_frame,
     recv_exact,
 )
@@ -67,15 +64,6 @@ from lmkv import shm_window
 from lmkv.store import TieredStore
 
 log = logging.getLogger(__name__)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def opaque_layout(header: PageHeader) -> GroupLayout:
@@ -446,51 +434,3 @@ def serve(cfg: LMKVConfig) -> int:
     finally:
         server.stop()
     return 0
-
-
-@dataclass
-class ServerProcess:
-    """An ``lmkv serve`` child process (tests, benchmarks, the demo); ``url`` is what ``remote.url`` takes."""
-
-    proc: subprocess.Popen
-    url: str
-    port: int
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def spawn(*args: str, port: int = 0, env: dict[str, str] | None = None, timeout: float = 60.0) -> ServerProcess:
-    """Start ``lmkv serve --port PORT ARGS...`` and wait until it listens."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmkv.cli", "serve", "--port", str(port), *args],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
-    )
-    ready = threading.Event()
-    line: list[str] = []
-
-    def first_line() -> None:
-        assert proc.stdout is not None
-        line.append(proc.stdout.readline())
-        ready.set()
-        for _ in proc.stdout:  # keep draining so the child never blocks on a full pipe
-            pass
-
-    threading.Thread(target=first_line, daemon=True).start()
-    if not ready.wait(timeout) or not line[0].startswith("lmkv serve: lmkv://"):
-        proc.kill()
-        raise RuntimeError(f"lmkv serve did not start: {line[0] if line else 'no output'!r}")
-    url = line[0].split()[2]
-    return ServerProcess(proc, url, int(url.rsplit(":", 1)[1]))

@@ -25,70 +25,19 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from lmkv.config import LMKVConfig
 from lmkv.errors import LMKVError, TierFullError
-from lmkv.faults import FaultyTier
 from lmkv.layout import GroupLayout
+from lmkv.lookup import Lookup, locate, prefix_lookup, tier_failed
 from lmkv.metrics import Metrics
 from lmkv.page import PageHeader, copy_units, make_header
-from lmkv.tiers.base import Tier, WriteSession
-from lmkv.tiers.disk import DiskTier
-from lmkv.tiers.memory import MemoryTier
-from lmkv.tiers.remote import open_remote
+from lmkv.tiers.base import Tier, WriteSession, in_place_reader
+from lmkv.tiers.factory import open_tiers
 
 log = logging.getLogger(__name__)
-
-
-class HasContains(Protocol):
-    name: str
-
-    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
-
-
-def locate(keys: Sequence[bytes], tiers: Sequence[HasContains]) -> list[str | None]:
-    """Per key, the first tier that holds it; each tier is asked only about keys the ones above lacked.
-
-    A tier that cannot answer (down, timed out) holds nothing for now.
-    """
-    where: list[str | None] = [None] * len(keys)
-    for tier in tiers:
-        todo = [i for i, w in enumerate(where) if w is None]
-        if not todo:
-            break
-        try:
-            present = tier.contains([keys[i] for i in todo])
-        except (LMKVError, OSError) as err:
-            _tier_failed(tier, "lookup", err)
-            continue
-        for i, p in zip(todo, present):
-            if p:
-                where[i] = tier.name
-    return where
-
-
-_last_warning: dict[str, float] = {}
-
-
-def _tier_failed(tier, what: str, err: BaseException) -> None:
-    """Count a failing tier call and log it, at most once a minute per tier."""
-    stats = getattr(tier, "stats", None)
-    if stats is not None:
-        stats.errors += 1
-    now = time.monotonic()
-    if now - _last_warning.get(tier.name, -1e9) > 60:
-        _last_warning[tier.name] = now
-        log.warning("lmkv: %s tier failed a %s (%s); serving from the other tiers", tier.name, what, err)
-
-
-def prefix_lookup(keys: Sequence[bytes], tiers: Sequence[HasContains]) -> Lookup:
-    """The longest prefix of ``keys`` that some tier holds, page by page."""
-    where = locate(keys, tiers)
-    n = next((i for i, w in enumerate(where) if w is None), len(keys))
-    return Lookup(tuple(where[:n]))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -124,37 +73,13 @@ class WriteStats:
         return self.failed - self.retried - self.dropped
 
 
-@dataclass(frozen=True)
-class Lookup:
-    """Where each page of the hit prefix lives (the tier name), fastest first."""
-
-    tiers: tuple[str, ...]
-
-    @property
-    def pages(self) -> int:
-        return len(self.tiers)
-
-
 class TieredStore:
     def __init__(self, cfg: LMKVConfig, lower: Sequence[Tier] = ()) -> None:
         """Memory first, then the disk tier if configured, then ``lower`` tiers, then ``remote.url``'s tier."""
         self.cfg = cfg
         self.domain = cfg.domain
-        remote = open_remote(cfg.remote, cfg.namespace)
-        share = remote is not None and remote.wants_arena
-        self.memory = MemoryTier(cfg.memory, on_evict=self._demote, shared=share)
-        if share and self.memory.arena_window is not None:
-            remote.share_arena(self.memory.arena_window)
-        tiers: list[Tier] = [self.memory]
-        if cfg.disk.path:
-            tiers.append(DiskTier(cfg.disk))
-        tiers.extend(lower)
-        if remote is not None:
-            tiers.append(remote)
-        unknown = set(cfg.faults) - {t.name for t in tiers[1:]}
-        if unknown:
-            raise ValueError(f"faults: no lower tier named {sorted(unknown)} (tiers: {[t.name for t in tiers[1:]]})")
-        self.tiers = [tiers[0]] + [FaultyTier(t, cfg.faults[t.name]) if t.name in cfg.faults else t for t in tiers[1:]]
+        self.memory, below = open_tiers(cfg, on_evict=self._demote, lower=lower)
+        self.tiers: list[Tier] = [self.memory, *below]
         self.writes = WriteStats()
         self.metrics = Metrics(lambda: self.tiers, lambda: self.writes)
         self._pool = ThreadPoolExecutor(cfg.store.io_threads, thread_name_prefix="lmkv-io")
@@ -189,7 +114,7 @@ class TieredStore:
                     here = [i for i, p in zip(todo, present) if p]
                     got = tier.get([keys[i] for i in here], layout, [outs[i] for i in here]) if here else []
                 except (LMKVError, OSError) as err:
-                    _tier_failed(tier, "read", err)
+                    tier_failed(tier, "read", err)
                     continue
                 if here:
                     for i, h in zip(here, got):
@@ -238,7 +163,7 @@ class TieredStore:
                 try:
                     got = tier.get([want[j] for j in js], layout, [bufs[j] for j in js])
                 except (LMKVError, OSError) as err:
-                    _tier_failed(tier, "read", err)
+                    tier_failed(tier, "read", err)
                     continue
                 for j, h in zip(js, got):
                     headers[j] = h
@@ -277,13 +202,14 @@ class TieredStore:
                 mine = [i for i in missing if where[i] == tier.name]
                 if not mine:
                     continue
-                if not tier.reads_in_place:
+                reader = in_place_reader(tier)
+                if reader is None:
                     staged.extend(mine)
                     continue
                 try:
-                    got = tier.get_units([keys[i] for i in mine], layout, [units[i] for i in mine])
+                    got = reader.get_units([keys[i] for i in mine], layout, [units[i] for i in mine])
                 except (LMKVError, OSError) as err:
-                    _tier_failed(tier, "read", err)
+                    tier_failed(tier, "read", err)
                     continue
                 for i, header in zip(mine, got):
                     results[i] = header
@@ -327,7 +253,7 @@ class TieredStore:
         try:
             stored = tier.put(pages, domain)
         except (LMKVError, OSError) as err:
-            _tier_failed(tier, "write", err)
+            tier_failed(tier, "write", err)
             self.writes.failed += len(pages)
             if from_memory and self.cfg.store.failed_writes == "retry":
                 self._queue_retry(tier.name, [h.key for h, _ in pages], domain)
@@ -366,7 +292,7 @@ class TieredStore:
                 try:
                     ok = tier.put(pages, domain)
                 except (LMKVError, OSError) as err:
-                    _tier_failed(tier, "write", err)
+                    tier_failed(tier, "write", err)
                     self._queue_retry(tier.name, [h.key for h, _ in pages], domain)
                     return
                 self.writes.retried += sum(ok)

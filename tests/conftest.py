@@ -60,7 +60,7 @@ def tiny_fs(tmp_path):
 @pytest.fixture(scope="session")
 def redis_node():
     """A real redis-server on a loopback port for the whole session."""
-    from lmkv.redis_server import start_redis
+    from lmkv.dev.redis_server import start_redis
 
     with start_redis() as r:
         yield r
@@ -69,7 +69,7 @@ def redis_node():
 @pytest.fixture(scope="session")
 def redis_cluster():
     """A real three-node Redis Cluster on loopback ports."""
-    from lmkv.redis_server import start_cluster
+    from lmkv.dev.redis_server import start_cluster
 
     with start_cluster(3) as c:
         yield c

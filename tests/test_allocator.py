@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmkv.allocator import SlabAllocator
+from lmkv.tiers.allocator import SlabAllocator
 from lmkv.page import ALIGN
 
 

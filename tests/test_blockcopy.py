@@ -6,7 +6,7 @@ torch = pytest.importorskip("torch")
 
 import numpy as np  # noqa: E402
 
-from lmkv.blockcopy import LayerBlocks, as_bytes_array, block_runs  # noqa: E402
+from lmkv.engine.blockcopy import LayerBlocks, as_bytes_array, block_runs  # noqa: E402
 
 L, B, H, N, C = 3, 10, 2, 16, 8  # layers, blocks, heads, tokens per block, content elements
 

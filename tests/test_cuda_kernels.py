@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from test_blockcopy import B, C, H, L, N, views  # noqa: E402
 
-from lmkv.blockcopy import LayerBlocks, block_runs  # noqa: E402
+from lmkv.engine.blockcopy import LayerBlocks, block_runs  # noqa: E402
 
 ORDERS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]  # every physical layout vLLM may pick
 
@@ -128,9 +128,9 @@ def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel():
     from lmkv.config import load_config
     from lmkv.cuda import KernelLayerBlocks
     from lmkv.layout import attention_layout
-    from lmkv.plan import PageOp, StepPlan
+    from lmkv.engine.plan import PageOp, StepPlan
     from lmkv.store import TieredStore
-    from lmkv.worker import LayerwiseTransfer
+    from lmkv.engine.worker import LayerwiseTransfer
 
     layers = views("LBNHC", "cuda")
     before = [t.clone() for t in layers]

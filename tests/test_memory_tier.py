@@ -192,7 +192,7 @@ def _wait_populated(arena, timeout=10.0) -> None:
 
 
 def test_arena_is_mapped_ahead_of_use_without_touching_its_contents():
-    from lmkv.arena import HostArena
+    from lmkv.tiers.arena import HostArena
 
     a = HostArena(64 << 20, pin="never")
     assert _resident_fraction(a.buf) < 0.1  # fresh: nothing mapped yet
@@ -211,7 +211,7 @@ def test_an_arena_that_must_be_pinned_and_cannot_be_is_an_error():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU can pin it")
-    from lmkv.arena import HostArena
+    from lmkv.tiers.arena import HostArena
 
     with pytest.raises(ValueError, match="could not be page-locked"):
         HostArena(1 << 20, pin="always")

@@ -7,9 +7,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from lmkv.config import OffloadConfig  # noqa: E402
-from lmkv.offload import LazyOffload  # noqa: E402
-from lmkv.offload_sim import SimConfig, distinct_blocks, make_manager, make_request, simulate  # noqa: E402
-from lmkv.traces import generate, load, save  # noqa: E402
+from lmkv.offload.lazy import LazyOffload  # noqa: E402
+from lmkv.offload.sim import SimConfig, distinct_blocks, make_manager, make_request, simulate  # noqa: E402
+from lmkv.offload.traces import generate, load, save  # noqa: E402
 
 BS = 16
 
@@ -385,7 +385,7 @@ def test_without_a_link_blocks_seldom_needed_again_are_not_copied(engine):
     """A due block of a class that was seldom needed again (a question's tail: used once, in a
     lineage that branches) is skipped; with a declared link its copy is made anyway (the link's
     time is there to be spent)."""
-    from lmkv.reuse import BRANCHES, MIN_EVIDENCE
+    from lmkv.offload.reuse import BRANCHES, MIN_EVIDENCE
 
     mgr, queue, finish = engine
     sys_, doc_a, doc_b = list(range(3, 3 + BS)), list(range(100, 100 + BS)), list(range(200, 200 + BS))

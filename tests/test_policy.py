@@ -1,4 +1,4 @@
-from lmkv.policy import LRUPolicy, S3FIFOPolicy, make_policy
+from lmkv.tiers.eviction import LRUPolicy, S3FIFOPolicy, make_policy
 
 import pytest
 

@@ -11,10 +11,10 @@ import redis
 from conftest import make_pages, random_key
 from lmkv.config import ConfigError, RemoteConfig, load_config
 from lmkv.errors import TierUnavailableError
-from lmkv.redis_server import free_port, start_redis
+from lmkv.dev.redis_server import free_port, start_redis
 from lmkv.store import TieredStore
 from lmkv.tiers.redis import RedisTier
-from lmkv.tiers.remote import open_remote
+from lmkv.tiers.factory import open_remote
 
 
 @pytest.fixture(params=["node", "cluster"])
@@ -213,7 +213,7 @@ def test_tls(tmp_path, layout):
 def test_lmkv_server_with_redis_beneath(redis_node, layout):
     """lmkv serve holding memory with Redis beneath: what clients put reaches Redis, and a
     restarted server (memory empty) serves it back from Redis."""
-    from lmkv.server import spawn
+    from lmkv.dev.server_process import spawn
     from lmkv.tiers.server_client import ServerTier
 
     env = {"LMKV_REMOTE__URL": redis_node.url, "LMKV_REMOTE__KEY_PREFIX": "beneath:"}

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import random_key, random_payload
 from lmkv.config import load_config
-from lmkv.redis_server import free_port, start_redis
-from lmkv.server import spawn
+from lmkv.dev.redis_server import free_port, start_redis
+from lmkv.dev.server_process import spawn
 from lmkv.store import TieredStore
 
 

@@ -1,6 +1,6 @@
 """The lazy policy's reuse model: lineages, and the learned chance of a block being needed again."""
 
-from lmkv.reuse import BRANCHES, EXTENDS, MIN_EVIDENCE, MIN_WATCH_STEPS, SINGLE, ReuseModel, idle_bucket
+from lmkv.offload.reuse import BRANCHES, EXTENDS, MIN_EVIDENCE, MIN_WATCH_STEPS, SINGLE, ReuseModel, idle_bucket
 
 
 def chain(*names: str) -> list[bytes]:

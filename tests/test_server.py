@@ -16,8 +16,9 @@ from lmkv.config import ConfigError, RemoteConfig, load_config
 from lmkv.errors import TierUnavailableError
 from lmkv.page import make_header
 from lmkv.protocol import FRAME, MAGIC, Get, Hello, LayoutMsg, Op, RemoteError, encode, frame
-from lmkv.redis_server import free_port
-from lmkv.server import Server, spawn
+from lmkv.dev.redis_server import free_port
+from lmkv.dev.server_process import spawn
+from lmkv.server import Server
 from lmkv.store import TieredStore
 from lmkv.tiers.server_client import ServerTier
 
@@ -241,7 +242,7 @@ def test_memory_stays_within_its_bound(layout):
 
 def test_load_many_clients_nothing_lost_or_corrupt(server, layout):
     """8 clients x 4 s of mixed put/get/exists: every page read back is checked."""
-    from lmkv.load_test import run_load
+    from lmkv.dev.load_test import run_load
 
     result = run_load(server.url, clients=8, seconds=4.0, layout=layout)
     assert result.pages_checked > 100

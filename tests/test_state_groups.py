@@ -7,7 +7,7 @@ import pytest
 
 from lmkv.config import OffloadConfig, load_config
 from lmkv.layout import GroupLayout, Segment, StateKind, attention_layout
-from lmkv.scheduler import OffloadScheduler, Scheduled
+from lmkv.engine.scheduler import OffloadScheduler, Scheduled
 from lmkv.store import TieredStore
 
 TPP = 16

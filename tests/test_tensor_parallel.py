@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmkv.server import spawn
+from lmkv.dev.server_process import spawn
 
 RANK = Path(__file__).with_name("tp_rank.py")
 

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lmkv.tinymodels import make_llama  # noqa: E402
+from lmkv.dev.tinymodels import make_llama  # noqa: E402
 
 from vllm_engine import BLOCK, engine, generate, lmkv_stats, prompt, run  # noqa: E402
 
@@ -139,7 +139,7 @@ def test_fresh_engine_over_the_same_disk_tier(model, tmp_path):
 @pytest.mark.parametrize("multiprocess", [False, True])
 def test_two_engines_share_pages_through_the_lmkv_server(model, multiprocess):
     """Engine A fills the server; engine B, started after A is gone, is served from it."""
-    from lmkv.server import spawn
+    from lmkv.dev.server_process import spawn
 
     p = prompt(300, seed=21 + multiprocess)
     with spawn("--memory", "256MiB") as server:
@@ -172,8 +172,8 @@ def test_engine_starts_and_serves_while_the_server_is_down(model):
     import time
 
     from lmkv.config import RemoteConfig
-    from lmkv.redis_server import free_port
-    from lmkv.server import spawn
+    from lmkv.dev.redis_server import free_port
+    from lmkv.dev.server_process import spawn
     from lmkv.tiers.server_client import ServerTier
 
     port = free_port()
@@ -244,8 +244,8 @@ def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
     does not run such a model on this CPU): lmkv restores the attention pages and the Mamba state
     at the last page boundary a step ended on (192 of 300 tokens with 192-token chunks), and the
     tokens are those of the engine without lmkv. Scrambled state pages change them."""
-    from lmkv.runtime import live_stores
-    from lmkv.tinymodels import make_granite_hybrid
+    from lmkv.engine.stores import live_stores
+    from lmkv.dev.tinymodels import make_granite_hybrid
 
     model = str(make_granite_hybrid(root=tmp_path))
     p = prompt(300, seed=90)
@@ -273,7 +273,7 @@ def test_outputs_depend_on_the_restored_bytes(model):
     with engine(model, lmkv={"memory": {"capacity": "256MiB", "verify_checksums": False}}) as e:
         p = prompt(300, seed=30)
         expected = generate(e, [p])
-        from lmkv.runtime import live_stores
+        from lmkv.engine.stores import live_stores
 
         (store,) = live_stores().values()
         with store.memory.borrow(store.memory.keys()) as lease:
@@ -311,7 +311,7 @@ FAILURE_CLASSES = {
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory) -> str:
-    from lmkv.tinymodels import make_gemma2
+    from lmkv.dev.tinymodels import make_gemma2
 
     return str(make_gemma2(root=tmp_path_factory.mktemp("gemma2")))
 
@@ -369,7 +369,7 @@ def test_two_cache_groups_sliding_window_and_global(tmp_path):
     """Gemma-2 runs with a sliding-window group and a global group: both are stored and loaded
     (asynchronously: vLLM recovers failures of multi-group loads only per request). The
     sliding-window group loads only the blocks the engine keeps: the last 64-token window."""
-    from lmkv.tinymodels import make_gemma2
+    from lmkv.dev.tinymodels import make_gemma2
 
     model = str(make_gemma2(root=tmp_path))
     with engine(model, lmkv={"memory": {"capacity": "256MiB"}}) as e:

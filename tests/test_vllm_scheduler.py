@@ -19,8 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from lmkv.runtime import live_stores  # noqa: E402
-from lmkv.tinymodels import make_llama  # noqa: E402
+from lmkv.engine.stores import live_stores  # noqa: E402
+from lmkv.dev.tinymodels import make_llama  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -7,9 +7,9 @@ import torch
 
 from lmkv.config import load_config
 from lmkv.layout import attention_layout
-from lmkv.plan import PageOp, StepPlan
+from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.store import TieredStore
-from lmkv.worker import LayerwiseTransfer
+from lmkv.engine.worker import LayerwiseTransfer
 
 LAYERS, TOKENS, BLOCKS = 3, 16, 8
 CHAINS = [bytes([i + 1]) * 16 for i in range(4)]

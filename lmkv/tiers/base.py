@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, make_header
@@ -36,6 +37,18 @@ class TierStats:
     corrupt: int = 0
     errors: int = 0
     full: int = 0
+
+
+class ResidencyListener(Protocol):
+    """Told of every key a memory tier publishes or drops, under the tier's lock (so in order).
+
+    The engine side logs these for a scheduler in another process
+    (:class:`lmkv.engine.residency.ResidencyLog`); a call must not block or call back into the tier.
+    """
+
+    def added(self, key: bytes) -> None: ...
+
+    def removed(self, key: bytes) -> None: ...
 
 
 class WriteSession(ABC):
@@ -95,9 +108,6 @@ class Tier(ABC):
 
     #: whether reads from this tier verify page checksums
     verifies: bool = True
-    #: whether this tier reads pages straight into an engine's buffers (``get_units``: a buffered
-    #: disk tier); the store stages every other tier's pages through memory
-    reads_in_place: bool = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -141,6 +151,29 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release resources; the default has none."""
+
+
+class ReadsInPlace(ABC):
+    """A capability: the tier reads pages straight into an engine's buffers, one buffer per unit
+    (one layer's segment of one block), checksums verified where the bytes land, without a stop
+    in lmkv's memory tier (a buffered disk tier: the OS page cache is its memory). The store
+    stages every other tier's pages through memory. As with vLLM's ``SupportsHMA``, the type
+    declares the capability; :attr:`reads_in_place` says whether this instance can use it now
+    (a disk tier on O_DIRECT needs aligned buffers, which an engine's blocks are not)."""
+
+    @property
+    @abstractmethod
+    def reads_in_place(self) -> bool: ...
+
+    @abstractmethod
+    def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
+        """Read page ``i``'s unit ``u`` into ``units[i][u]``; ``None`` where a page is missing or failed
+        (its buffers may then hold anything)."""
+
+
+def in_place_reader(tier: Tier) -> ReadsInPlace | None:
+    """``tier`` as an in-place reader if it is one and can read in place now, else ``None``."""
+    return tier if isinstance(tier, ReadsInPlace) and tier.reads_in_place else None
 
 
 class LocalTier(Tier):

@@ -53,8 +53,8 @@ from lmkv.page import (
     verify_unit_buffers,
     verify_units,
 )
-from lmkv.policy import EvictionPolicy, make_policy
-from lmkv.tiers.base import LocalTier, Range, WriteSession
+from lmkv.tiers.eviction import EvictionPolicy, make_policy
+from lmkv.tiers.base import LocalTier, Range, ReadsInPlace, WriteSession
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class _Entry:
     domains: int
 
 
-class DiskTier(LocalTier):
+class DiskTier(LocalTier, ReadsInPlace):
     def __init__(self, cfg: DiskConfig, name: str = "disk") -> None:
         super().__init__(name)
         if not cfg.path:

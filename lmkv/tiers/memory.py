@@ -1,6 +1,6 @@
 """The host-memory tier: pages in one preallocated arena.
 
-Space comes from :class:`~lmkv.allocator.SlabAllocator`; each size class has its
+Space comes from :class:`~lmkv.tiers.allocator.SlabAllocator`; each size class has its
 own eviction policy (pages of a class are interchangeable, so evicting within
 the class always frees a usable slot). Readers pin what they copy from, so a
 page is never evicted or overwritten under a copy in flight. Evicted pages are
@@ -13,24 +13,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lmkv.allocator import SlabAllocator
-from lmkv.arena import HostArena
+from lmkv.tiers.allocator import SlabAllocator
+from lmkv.tiers.arena import HostArena
 from lmkv.config import MemoryConfig
 from lmkv.domains import DomainRegistry
 from lmkv.errors import PageError, TierFullError
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, verify_payload, verify_units
-from lmkv.policy import EvictionPolicy, make_policy
-from lmkv.tiers.base import LocalTier, Range, WriteSession
+from lmkv.tiers.eviction import EvictionPolicy, make_policy
+from lmkv.tiers.base import LocalTier, Range, ResidencyListener, WriteSession
 
 #: called with (header, payload view, owning domains) of each evicted page, before its slot is reused
-if TYPE_CHECKING:
-    from lmkv.residency import ResidencyLog
-
 EvictHook = Callable[[list[tuple[PageHeader, np.ndarray, list[str]]]], None]
 
 
@@ -78,8 +74,8 @@ class MemoryTier(LocalTier):
         self.cfg = cfg
         self.verifies = cfg.verify_checksums
         self.on_evict = on_evict
-        #: told of every key published or removed (see :mod:`lmkv.residency`)
-        self.listener: ResidencyLog | None = None
+        #: told of every key published or removed (see :mod:`lmkv.engine.residency`)
+        self.listener: ResidencyListener | None = None
         self._arena = HostArena(int(cfg.capacity), cfg.pin, cfg.prefault, shared)
         # Each page size (a model's cache groups differ) needs slabs of its own: a small arena is
         # cut into at least MIN_SLABS of them rather than into one slab of slab_size.

@@ -20,11 +20,10 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from lmkv.config import ConfigError, RemoteConfig
+from lmkv.config import RemoteConfig
 from lmkv.errors import PageError, PageFormatError, TierUnavailableError
 from lmkv.layout import GroupLayout
 from lmkv.page import (
@@ -274,24 +273,3 @@ class RemoteTier(Tier):
 
     def close(self) -> None:
         self.health.close()
-
-
-def open_remote(cfg: RemoteConfig, namespace: str = "default") -> RemoteTier | None:
-    """The network tier ``cfg.url`` names, or ``None`` when unset. Never connects here:
-    a backend that is down at start-up is picked up when it comes back. ``namespace``
-    is the tenant the lmkv server isolates this client's pages under."""
-    if not cfg.url:
-        return None
-    scheme = urlsplit(cfg.url).scheme
-    if scheme in ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster"):
-        from lmkv.tiers.redis import RedisTier
-
-        return RedisTier(cfg)
-    if scheme in ("lmkv", "lmkvs"):
-        from lmkv.tiers.server_client import ServerTier
-
-        return ServerTier(cfg, namespace)
-    raise ConfigError(
-        f"remote.url = {cfg.url!r}: unknown scheme {scheme!r} (accepted: lmkv://, lmkvs://, redis://, "
-        "rediss://, unix://, redis-cluster://, rediss-cluster://)"
-    )

@@ -50,10 +50,10 @@ from lmkv.protocol import (
     decode_reply,
     encode,
     frame,
+    is_loopback,
     read_frame,
     recv_exact,
 )
-from lmkv.server import is_loopback
 from lmkv.tiers.base import Range
 from lmkv.tiers.remote import Checked, RemoteTier
 

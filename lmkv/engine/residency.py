@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lmkv.store import Lookup, locate, prefix_lookup
+from lmkv.lookup import Lookup, locate, prefix_lookup
 
 
 @dataclass

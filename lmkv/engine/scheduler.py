@@ -17,7 +17,7 @@ engine blocks (tier write-back continues from lmkv's own buffers). So a
 finished request's blocks need no holding.
 
 With ``offload.policy: lazy`` (and the engine's free queue bound), pages are not
-stored when computed: :class:`lmkv.offload.LazyOffload` plans copies of cached
+stored when computed: :class:`lmkv.offload.lazy.LazyOffload` plans copies of cached
 blocks as they reach the head of the engine's free queue, and the workers copy
 them like any other store. A finished request's blocks simply join that queue.
 """
@@ -32,11 +32,11 @@ from typing import Protocol
 
 from lmkv.config import OffloadConfig
 from lmkv.keys import KeySpace, page_key
-from lmkv.offload import FreeQueue, LazyOffload, Pick
+from lmkv.offload.lazy import FreeQueue, LazyOffload, Pick
 from lmkv.layout import GroupLayout, Growth
-from lmkv.plan import PageOp, StepPlan
-from lmkv.sequence import SequenceKeys, Span
-from lmkv.store import Lookup
+from lmkv.engine.plan import PageOp, StepPlan
+from lmkv.engine.sequence import SequenceKeys, Span
+from lmkv.lookup import Lookup
 
 #: engine block id that marks "no block" (vLLM's null block; skipped windows)
 NULL_BLOCK = 0
@@ -87,7 +87,7 @@ class Scheduled:
 
 class Residency(Protocol):
     """What the scheduler asks about residency: a :class:`~lmkv.store.TieredStore` or a
-    :class:`~lmkv.residency.ResidencyMirror` of workers in other processes."""
+    :class:`~lmkv.engine.residency.ResidencyMirror` of workers in other processes."""
 
     def lookup(self, keys: Sequence[bytes]) -> Lookup: ...
 

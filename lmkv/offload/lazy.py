@@ -48,7 +48,7 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
 - **need estimate**: without a declared link, a due block is skipped when blocks like
   it (as often used; in an agent-like session, a document-like one, or a single
   request; as long idle) were needed again from a tier less often than
-  ``min_need_rate``, learned from what came back (:mod:`lmkv.reuse`): a question's
+  ``min_need_rate``, learned from what came back (:mod:`lmkv.offload.reuse`): a question's
   tail is never asked again. A block of an agent-like session is also skipped when
   sessions idle as long as it has been seldom got another turn (learned from every
   session's gaps between turns): its session has ended. A block only one request used
@@ -71,7 +71,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from lmkv.config import OffloadConfig
-from lmkv.reuse import ReuseModel
+from lmkv.offload.reuse import ReuseModel
 
 
 class FreeQueue(Protocol):
@@ -181,7 +181,7 @@ class LazyOffload:
     def note_chain(self, hashes: Sequence[bytes], used: bool = True, cached: int = 0) -> None:
         """A request's chain of block hashes, first page first: parent links, and (``used``: a request
         was admitted with it, the engine holding its first ``cached`` pages) what the request shows
-        about reuse (:class:`lmkv.reuse.ReuseModel`)."""
+        about reuse (:class:`lmkv.offload.reuse.ReuseModel`)."""
         if not hashes:
             return
         self._link(hashes)

@@ -31,17 +31,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from lmkv.blockcopy import BlockRun, as_bytes_array, block_runs, layer_copier
+from lmkv.cuda import KernelLayerBlocks, kernel_layer_blocks, synchronize
+from lmkv.engine.blockcopy import BlockRun, LayerBlocks, as_bytes_array, block_runs
 from lmkv.errors import TierFullError
 from lmkv.keys import page_key
 from lmkv.layout import GroupLayout
-from lmkv.plan import PageOp, StepPlan
+from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.store import Fetched, StoreSession, TieredStore
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,17 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005
 #: pages per fetch of a background load: the next chunk is read while this one is copied in
 LOAD_CHUNK_PAGES = 32
+
+
+def layer_copier(layer: torch.Tensor, device_visible: Callable[[int, int], bool]) -> LayerBlocks | KernelLayerBlocks:
+    """The copier of an engine layer: for a CUDA tensor, lmkv's kernel
+    (:class:`lmkv.cuda.KernelLayerBlocks`, pages in pinned memory where ``device_visible`` says so)
+    where it can copy the layout and CuPy is installed; otherwise :class:`LayerBlocks`."""
+    if layer.device.type == "cuda":
+        k = kernel_layer_blocks(layer, device_visible)
+        if k is not None:
+            return k
+    return LayerBlocks(layer)
 
 
 @dataclass
@@ -400,8 +412,6 @@ class LayerwiseTransfer:
     def _sync(self) -> None:
         """Wait for the copies the CUDA kernel queued (a no-op on a CPU engine)."""
         if self._cuda:
-            from lmkv.cuda import synchronize
-
             synchronize(self._cuda)
 
     def take_errors(self) -> set[int]:

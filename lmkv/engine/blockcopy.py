@@ -11,13 +11,13 @@ block-outermost layouts), a block is a row of bytes and rows are copied with
 numpy, which moves small rows at several times torch's per-call speed; runs of
 consecutive blocks whose pages sit at one stride in memory (:func:`block_runs`) are
 one strided torch copy per layer. Any other layout is copied through torch's strided
-views. This is the reference the CUDA/HIP kernels are tested against;
-:func:`layer_copier` picks the kernel for a GPU layer where it applies.
+views. This is the reference the CUDA/HIP kernels are tested against; the worker
+(:func:`lmkv.engine.worker.layer_copier`) picks the kernel for a GPU layer where it applies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,16 +137,3 @@ class LayerBlocks:
             else:
                 blocks, pages = self._run_views(run, start)
                 blocks.copy_(pages)
-
-
-def layer_copier(layer: torch.Tensor, device_visible: Callable[[int, int], bool]):
-    """The copier of an engine layer: for a CUDA tensor, lmkv's kernel
-    (:class:`lmkv.cuda.KernelLayerBlocks`, pages in pinned memory where ``device_visible`` says so)
-    where it can copy the layout and CuPy is installed; otherwise :class:`LayerBlocks`."""
-    if layer.device.type == "cuda":
-        from lmkv.cuda import kernel_layer_blocks
-
-        k = kernel_layer_blocks(layer, device_visible)
-        if k is not None:
-            return k
-    return LayerBlocks(layer)

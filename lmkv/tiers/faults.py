@@ -22,29 +22,27 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
+from lmkv.config import FaultSpec
 from lmkv.errors import PageError, ShortReadError, TierUnavailableError
 from lmkv.layout import GroupLayout
-from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, verify_payload, verify_units
-from lmkv.tiers.base import Range, Tier, WriteSession
-
-
-class FaultSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    missing_rate: float = Field(0.0, ge=0, le=1)
-    corrupt_rate: float = Field(0.0, ge=0, le=1)
-    short_read_rate: float = Field(0.0, ge=0, le=1)
-    delay_ms: float = Field(0.0, ge=0)
-    outages: list[tuple[float, float]] = Field(default_factory=list)
-    seed: int = 0
+from lmkv.page import (
+    PageHeader,
+    as_bytes_view,
+    units_in_ranges,
+    verify_payload,
+    verify_unit_buffers,
+    verify_units,
+)
+from lmkv.tiers.base import Range, ReadsInPlace, Tier, WriteSession
 
 
 class FaultyTier(Tier):
+    """A tier whose reads fail as configured; writes, deletes and clears pass through."""
+
     def __init__(self, inner: Tier, spec: FaultSpec) -> None:
         super().__init__(inner.name)
         self.inner = inner
@@ -76,14 +74,14 @@ class FaultyTier(Tier):
             r -= rate
         return None
 
-    def _spoil(self, kind: str, out, check) -> None:
-        """Damage what was read, then run the boundary check that must catch it."""
+    def _spoil(self, kind: str, out, check: Callable[[], None]) -> None:
+        """Damage what was read into ``out`` (a buffer), then run the boundary check that must catch it."""
         dst = np.frombuffer(as_bytes_view(out), np.uint8)
         self.injected[kind] += 1
         try:
             if kind == "corrupt":
                 dst[self._draw_index(len(dst))] ^= 0x40
-                check(dst)
+                check()
             else:
                 raise ShortReadError(f"{self.name}: injected short read")
         except PageError:
@@ -114,7 +112,7 @@ class FaultyTier(Tier):
             (h,) = self.inner.get([key], layout, [out])
             if h is not None and kind is not None:
                 try:
-                    self._spoil(kind, out, lambda d, h=h: verify_payload(h, layout, d))
+                    self._spoil(kind, out, lambda h=h, out=out: verify_payload(h, layout, out))
                 except PageError:
                     h = None
             results.append(h)
@@ -129,7 +127,7 @@ class FaultyTier(Tier):
         h = self.inner.read_ranges(key, layout, ranges, out)
         if h is not None and kind is not None:
             try:
-                self._spoil(kind, out, lambda d: verify_units(h, layout, d, units_in_ranges(layout, ranges)))
+                self._spoil(kind, out, lambda: verify_units(h, layout, out, units_in_ranges(layout, ranges)))
             except PageError:
                 return None
         return h
@@ -161,3 +159,43 @@ class FaultyTier(Tier):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class FaultyInPlaceTier(FaultyTier, ReadsInPlace):
+    """The fault wrapper of a tier that reads in place (a buffered disk tier): faults hit that path
+    too, so the fault benches and tests exercise the read path an engine's loads take in production."""
+
+    def __init__(self, inner: Tier, spec: FaultSpec) -> None:
+        if not isinstance(inner, ReadsInPlace):
+            raise TypeError(f"{inner.name}: not an in-place reader")
+        super().__init__(inner, spec)
+        self.reader = inner
+
+    @property
+    def reads_in_place(self) -> bool:
+        return self.reader.reads_in_place
+
+    def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
+        self._gate()
+        results: list[PageHeader | None] = []
+        for key, bufs in zip(keys, units):
+            kind = self._fault()
+            if kind == "missing":
+                self.injected["missing"] += 1
+                self.stats.misses += 1
+                results.append(None)
+                continue
+            (h,) = self.reader.get_units([key], layout, [bufs])
+            if h is not None and kind is not None:
+                try:  # a flipped byte lands in one of the engine's buffers
+                    self._spoil(kind, bufs[self._draw_index(len(bufs))],
+                                lambda h=h, bufs=bufs: verify_unit_buffers(h, layout, bufs))
+                except PageError:
+                    h = None
+            results.append(h)
+        return results
+
+
+def faulty(tier: Tier, spec: FaultSpec) -> FaultyTier:
+    """``tier`` behind a fault injector that keeps its capabilities (in-place reads)."""
+    return FaultyInPlaceTier(tier, spec) if isinstance(tier, ReadsInPlace) else FaultyTier(tier, spec)

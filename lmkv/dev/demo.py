@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from lmkv.local_engine import close, prepare_env
-from lmkv.tinymodels import make_llama
+from lmkv.dev.local_engine import close, prepare_env
+from lmkv.dev.tinymodels import make_llama
 
 DEMO_MODEL = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
                   num_hidden_layers=8, vocab_size=2048)

@@ -12,7 +12,7 @@ Policies (the same trace, each in its own run):
 - ``none``: nothing is written; the run also records, for the **oracle**, every
   block that was evicted and asked for again later (the only writes that can pay);
 - ``eager``: every block is queued for a copy when it is computed;
-- ``lazy``: :class:`lmkv.offload.LazyOffload` on the real free queue; the blocks it
+- ``lazy``: :class:`lmkv.offload.lazy.LazyOffload` on the real free queue; the blocks it
   rescues (taken by the step's allocations) are written in that step, as a worker
   copies them before the step's forward.
 
@@ -31,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lmkv.config import OffloadConfig
-from lmkv.offload import CopyBudget, LazyOffload, Pick
-from lmkv.traces import TraceRequest
+from lmkv.offload.lazy import CopyBudget, LazyOffload, Pick
+from lmkv.offload.traces import TraceRequest
 
 
 @dataclass

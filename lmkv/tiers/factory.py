@@ -1,0 +1,77 @@
+"""Opening the configured tiers: the one place that knows every tier class.
+
+A tier module never imports another tier's (the network tiers share
+:mod:`lmkv.tiers.remote`, which knows neither of them); what ``remote.url``
+names and which tiers get fault injectors is decided here, for the store
+(:func:`open_tiers`) and for a scheduler in another process that only looks
+pages up (:func:`open_views`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+from lmkv.config import ConfigError, LMKVConfig, RemoteConfig
+from lmkv.lookup import HasContains
+from lmkv.tiers.base import Tier
+from lmkv.tiers.disk import DiskTier, DiskView
+from lmkv.tiers.faults import faulty
+from lmkv.tiers.memory import EvictHook, MemoryTier
+from lmkv.tiers.remote import RemoteTier
+
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
+SERVER_SCHEMES = ("lmkv", "lmkvs")
+
+
+def open_remote(cfg: RemoteConfig, namespace: str = "default") -> RemoteTier | None:
+    """The network tier ``cfg.url`` names, or ``None`` when unset. Never connects here:
+    a backend that is down at start-up is picked up when it comes back. ``namespace``
+    is the tenant the lmkv server isolates this client's pages under."""
+    if not cfg.url:
+        return None
+    scheme = urlsplit(cfg.url).scheme
+    if scheme in REDIS_SCHEMES:
+        from lmkv.tiers.redis import RedisTier  # (redis-py is an optional dependency)
+
+        return RedisTier(cfg)
+    if scheme in SERVER_SCHEMES:
+        from lmkv.tiers.server_client import ServerTier
+
+        return ServerTier(cfg, namespace)
+    raise ConfigError(
+        f"remote.url = {cfg.url!r}: unknown scheme {scheme!r} (accepted: "
+        + ", ".join(f"{s}://" for s in SERVER_SCHEMES + REDIS_SCHEMES) + ")"
+    )
+
+
+def open_tiers(cfg: LMKVConfig, on_evict: EvictHook | None = None,
+               lower: Sequence[Tier] = ()) -> tuple[MemoryTier, list[Tier]]:
+    """The memory tier and the tiers below it, fastest first: the disk tier if configured, then
+    ``lower``, then ``remote.url``'s tier. Tiers named under ``faults`` come wrapped in their
+    fault injectors. A same-host lmkv server is given the memory tier's arena to write into."""
+    remote = open_remote(cfg.remote, cfg.namespace)
+    share = remote is not None and remote.wants_arena
+    memory = MemoryTier(cfg.memory, on_evict=on_evict, shared=share)
+    if remote is not None and share and memory.arena_window is not None:
+        remote.share_arena(memory.arena_window)
+    below: list[Tier] = [DiskTier(cfg.disk)] if cfg.disk.path else []
+    below.extend(lower)
+    if remote is not None:
+        below.append(remote)
+    unknown = set(cfg.faults) - {t.name for t in below}
+    if unknown:
+        for t in [memory, *below]:
+            t.close()
+        raise ValueError(f"faults: no lower tier named {sorted(unknown)} (tiers: {[t.name for t in below]})")
+    return memory, [faulty(t, cfg.faults[t.name]) if t.name in cfg.faults else t for t in below]
+
+
+def open_views(cfg: LMKVConfig) -> tuple[list[HasContains], RemoteTier | None]:
+    """What a scheduler whose workers live in other processes can look up by itself: the shared
+    disk directory's files and the network tier (returned apart too: the caller closes it)."""
+    remote = open_remote(cfg.remote, cfg.namespace)
+    views: list[HasContains] = [DiskView(cfg.disk.path)] if cfg.disk.path else []
+    if remote is not None:
+        views.append(remote)
+    return views, remote
