@@ -21,11 +21,10 @@ import logging
 import numpy as np
 import torch
 
-from lmkv.tiers.arena import HostArena
+from lmkv.benchmarks.report import Report, gbps, interleaved, timed
 from lmkv.engine.blockcopy import LayerBlocks, block_runs
 from lmkv.engine.worker import layer_copier
-
-from lmkv.benchmarks.report import Report, gbps, interleaved, timed
+from lmkv.tiers.arena import HostArena
 
 log = logging.getLogger("lmkv.bench.copy")
 
@@ -63,10 +62,19 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
     # the ceiling: one contiguous copy of the same bytes between the same memories
     flat_dev = torch.empty(total, dtype=torch.uint8, device=device)
     flat_host = torch.from_numpy(arena.view(0, total))
-    to_host = (lambda: (flat_host.copy_(flat_dev, non_blocking=True), sync())) if gpu else \
-        (lambda: np.copyto(arena.view(0, total), arena.view(total, total)))
-    from_host = (lambda: (flat_dev.copy_(flat_host, non_blocking=True), sync())) if gpu else \
-        (lambda: np.copyto(arena.view(total, total), arena.view(0, total)))
+    def to_host() -> None:
+        if gpu:
+            flat_host.copy_(flat_dev, non_blocking=True)
+            sync()
+        else:
+            np.copyto(arena.view(0, total), arena.view(total, total))
+
+    def from_host() -> None:
+        if gpu:
+            flat_dev.copy_(flat_host, non_blocking=True)
+            sync()
+        else:
+            np.copyto(arena.view(total, total), arena.view(0, total))
     for order in LAYOUTS:
         layers = _layers(order, num_layers, blocks, heads, tokens, head, device)
         paths = {"": [layer_copier(t, arena.device_visible) for t in layers]}

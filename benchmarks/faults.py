@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lmkv.benchmarks.report import Report
 from lmkv.dev.local_engine import close, prepare_env
@@ -30,7 +31,7 @@ from lmkv.dev.tinymodels import make_llama
 
 log = logging.getLogger("lmkv.bench.faults")
 
-MODEL = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
+MODEL: dict[str, Any] = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
              num_hidden_layers=8, vocab_size=2048)
 
 
@@ -51,7 +52,7 @@ def _engine(model: Path, disk: Path, faults: dict | None, max_len: int):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    extra = {"memory": {"capacity": "1GiB"}, "disk": {"path": str(disk)}}
+    extra: dict[str, Any] = {"memory": {"capacity": "1GiB"}, "disk": {"path": str(disk)}}
     if faults:
         extra["faults"] = {"disk": faults}
     return LLM(
@@ -117,9 +118,12 @@ def run(quick: bool, directory: str | None = None) -> Report:
         if not crashes:
             stats = llm.collective_rpc("lmkv_stats")[0]
             from lmkv.engine.stores import live_stores
+            from lmkv.tiers.faults import FaultyTier
 
             for store in live_stores().values():
-                injected = dict(store.tiers[1].injected)
+                disk = store.tiers[1]
+                assert isinstance(disk, FaultyTier)
+                injected = dict(disk.injected)
         close(llm)
     finally:
         shutil.rmtree(root, ignore_errors=True)

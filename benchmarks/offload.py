@@ -24,10 +24,9 @@ import logging
 import tempfile
 from pathlib import Path
 
+from lmkv.benchmarks.report import Report
 from lmkv.offload.sim import SimConfig, distinct_blocks, simulate
 from lmkv.offload.traces import TraceRequest, generate, load, save
-
-from lmkv.benchmarks.report import Report
 
 log = logging.getLogger("lmkv.bench.offload")
 
@@ -58,19 +57,21 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
                 none, eager, lazy = (simulate(trace, cfg, p) for p in ("none", "eager", "lazy"))
                 oracle = len(none.oracle_blocks) * cfg.page_bytes
                 tag = f"{kind}.{f:g}x"
-                report.add(f"{tag}.bytes_written", lazy.bytes_written, "bytes", eager.bytes_written, "eager, same trace")
+                same = "eager, same trace"
+                report.add(f"{tag}.bytes_written", lazy.bytes_written, "bytes", eager.bytes_written, same)
                 report.add(f"{tag}.bytes_vs_oracle", lazy.bytes_written, "bytes", oracle or None, "offline oracle")
-                report.add(f"{tag}.hit_tokens", lazy.hit_tokens, "tokens", eager.hit_tokens or None, "eager, same trace")
+                report.add(f"{tag}.hit_tokens", lazy.hit_tokens, "tokens", eager.hit_tokens or None, same)
                 report.add(f"{tag}.computed_tokens", lazy.computed_tokens, "tokens", eager.computed_tokens,
                            "eager, same trace (prefill and decode the engine computed)")
-                report.add(f"{tag}.wasted_writes", lazy.wasted_writes, "blocks", eager.wasted_writes, "eager, same trace")
+                report.add(f"{tag}.wasted_writes", lazy.wasted_writes, "blocks", eager.wasted_writes, same)
                 # a copy budget at half of eager's mean write rate
                 rate = eager.bytes_written / max(1, eager.steps)
                 bw = SimConfig(num_blocks=cfg.num_blocks, d2h_bytes_per_step=max(cfg.page_bytes, int(rate / 2)))
                 beager, blazy = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
                 report.add(f"{tag}.bw.blocks_lost", blazy.blocks_lost, "blocks", beager.blocks_lost or None, "eager")
                 report.add(f"{tag}.bw.hit_tokens", blazy.hit_tokens, "tokens", beager.hit_tokens or None, "eager")
-                report.add(f"{tag}.bw.computed_tokens", blazy.computed_tokens, "tokens", beager.computed_tokens, "eager")
+                report.add(f"{tag}.bw.computed_tokens", blazy.computed_tokens, "tokens", beager.computed_tokens,
+                           "eager")
                 log.info("%s: lazy %d B, eager %d B, oracle %d B; hits lazy %d eager %d", tag, lazy.bytes_written,
                          eager.bytes_written, oracle, lazy.hit_tokens, eager.hit_tokens)
                 if kind == "mixed":
@@ -85,20 +86,22 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
                                  ("bw_eager_computed", beager.computed_tokens),
                                  ("lazy_writes", lazy.writes), ("lazy_rescues", lazy.rescues)):
                         sums[k] += v
-    report.add("bytes_written", sums["lazy_bytes"], "bytes", sums["eager_bytes"], "eager write-through, same traces")
-    report.add("bytes_vs_oracle", sums["lazy_bytes"], "bytes", sums["oracle_bytes"] or None, "offline oracle, same traces")
-    report.add("hit_tokens", sums["lazy_hits"], "tokens", sums["eager_hits"] or None, "eager write-through, same traces")
-    report.add("blocks_lost", sums["lazy_lost"], "blocks", sums["eager_lost"], "eager write-through, same traces")
+    vs_eager, vs_budget = "eager write-through, same traces", "eager under the same copy budget"
+    report.add("bytes_written", sums["lazy_bytes"], "bytes", sums["eager_bytes"], vs_eager)
+    report.add("bytes_vs_oracle", sums["lazy_bytes"], "bytes", sums["oracle_bytes"] or None,
+               "offline oracle, same traces")
+    report.add("hit_tokens", sums["lazy_hits"], "tokens", sums["eager_hits"] or None, vs_eager)
+    report.add("blocks_lost", sums["lazy_lost"], "blocks", sums["eager_lost"], vs_eager)
     # what a tier hit is for: tokens the engine did not compute (a policy can raise tier hits by
     # evicting engine-cached blocks early, which costs compute; this figure shows it)
-    report.add("computed_tokens", sums["lazy_computed"], "tokens", sums["eager_computed"], "eager write-through, same traces")
+    report.add("computed_tokens", sums["lazy_computed"], "tokens", sums["eager_computed"], vs_eager)
     report.add("stale_writes", sums["stale"], "writes")
     # copies made before a step's forward (blocks a burst took): on the forward's critical path
-    report.add("rescued_pages", sums["lazy_rescues"], "pages", sums["lazy_writes"] or None, "pages lazy copied, same traces")
-    report.add("bw.blocks_lost", sums["bw_lazy_lost"], "blocks", sums["bw_eager_lost"] or None, "eager under the same copy budget")
-    report.add("bw.hit_tokens", sums["bw_lazy_hits"], "tokens", sums["bw_eager_hits"] or None, "eager under the same copy budget")
-    report.add("bw.computed_tokens", sums["bw_lazy_computed"], "tokens", sums["bw_eager_computed"],
-               "eager under the same copy budget")
+    report.add("rescued_pages", sums["lazy_rescues"], "pages", sums["lazy_writes"] or None,
+               "pages lazy copied, same traces")
+    report.add("bw.blocks_lost", sums["bw_lazy_lost"], "blocks", sums["bw_eager_lost"] or None, vs_budget)
+    report.add("bw.hit_tokens", sums["bw_lazy_hits"], "tokens", sums["bw_eager_hits"] or None, vs_budget)
+    report.add("bw.computed_tokens", sums["bw_lazy_computed"], "tokens", sums["bw_eager_computed"], vs_budget)
     running = 250 if quick else 1000
     big = simulate(_scale_trace(running, 2048, 48),
                    SimConfig(num_blocks=100_000, max_running=running, step_tokens=1 << 20), "lazy")

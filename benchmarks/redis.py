@@ -19,23 +19,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import numpy as np
 import redis
 import redis.asyncio as aredis
 
-from lmkv.config import RemoteConfig
-from lmkv.page import make_header
-from lmkv.dev.redis_server import start_redis
-from lmkv.tiers.redis import RedisTier
-
 from lmkv.benchmarks.report import Report, gbps, interleaved, timed
-from lmkv.benchmarks.tiers import aligned_buffers, bench_layout
+from lmkv.benchmarks.tiers import aligned_buffers, bench_layout, random_keys
+from lmkv.config import RemoteConfig
+from lmkv.dev.redis_server import start_redis
+from lmkv.page import make_header
+from lmkv.tiers.redis import RedisTier
 
 log = logging.getLogger("lmkv.bench.redis")
 
 PAGE = 2 << 20
+
+
+def _bytes(reply: object) -> bytes:
+    """A raw GET's value (redis-py's types allow str and None: a decoding client, a missing key)."""
+    assert isinstance(reply, bytes), f"expected bytes from Redis, got {type(reply).__name__}"
+    return reply
 
 
 def run(quick: bool = False, directory: str | None = None) -> Report:
@@ -44,7 +48,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
     report = Report("redis", params={"page_bytes": PAGE, "pages": n, "rounds": rounds, "layers": lay.num_layers})
     payloads = aligned_buffers(n, PAGE, fill=True)
     outs = aligned_buffers(n, PAGE, fill=False)
-    keys = [os.urandom(16) for _ in range(n)]
+    keys = random_keys(n)
     pages = [(make_header(k, lay, p), p) for k, p in zip(keys, payloads)]
     raw_names = [f"raw:{i}".encode() for i in range(n)]
     layer = lay.layer_range(3)
@@ -60,29 +64,29 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
 
         async def aset():
             for name, p in zip(raw_names, payloads):
-                await aclient.set(name, memoryview(p))
+                await aclient.set(name, p.data)
 
         async def aget():
             for name, o in zip(raw_names, outs):
-                memoryview(o)[:] = await aclient.get(name)
+                o.data[:] = _bytes(await aclient.get(name))
 
         async def arange():
             for name, o in zip(raw_names, outs):
-                memoryview(o)[layer[0]:layer[1]] = await aclient.getrange(name, layer[0], layer[1] - 1)
+                o.data[layer[0]:layer[1]] = _bytes(await aclient.getrange(name, layer[0], layer[1] - 1))
 
         def raw_set_sync() -> float:
-            return gbps(n * PAGE, timed(lambda: [sync.set(m, memoryview(p)) for m, p in zip(raw_names, payloads)]))
+            return gbps(n * PAGE, timed(lambda: [sync.set(m, p.data) for m, p in zip(raw_names, payloads)]))
 
         def raw_get_sync() -> float:
             def go():
                 for m, o in zip(raw_names, outs):
-                    memoryview(o)[:] = sync.get(m)
+                    o.data[:] = _bytes(sync.get(m))
             return gbps(n * PAGE, timed(go))
 
         def raw_range_sync() -> float:
             def go():
                 for m, o in zip(raw_names, outs):
-                    memoryview(o)[layer[0]:layer[1]] = sync.getrange(m, layer[0], layer[1] - 1)
+                    o.data[layer[0]:layer[1]] = _bytes(sync.getrange(m, layer[0], layer[1] - 1))
             return gbps(n * (layer[1] - layer[0]), timed(go))
 
         def tier_put() -> float:
@@ -93,7 +97,8 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
             return gbps(n * PAGE, t)
 
         def tier_layer() -> float:
-            return gbps(n * (layer[1] - layer[0]), timed(lambda: [tier.read_ranges(k, lay, [layer], o) for k, o in zip(keys, outs)]))
+            seconds = timed(lambda: [tier.read_ranges(k, lay, [layer], o) for k, o in zip(keys, outs)])
+            return gbps(n * (layer[1] - layer[0]), seconds)
 
         arun(aset())
         tier_put()  # warm both key sets before measuring

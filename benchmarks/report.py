@@ -53,7 +53,8 @@ class Report:
     params: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Metric] = field(default_factory=dict)
 
-    def add(self, name: str, value: float, unit: str, baseline: float | None = None, baseline_what: str | None = None) -> None:
+    def add(self, name: str, value: float, unit: str, baseline: float | None = None,
+            baseline_what: str | None = None) -> None:
         self.metrics[name] = Metric(value, unit, baseline, baseline_what)
 
     def to_dict(self) -> dict[str, Any]:

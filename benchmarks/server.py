@@ -28,15 +28,14 @@ import sys
 import numpy as np
 
 from lmkv import shm_window
+from lmkv.benchmarks.report import Report, gbps, interleaved, timed
+from lmkv.benchmarks.tiers import aligned_buffers, bench_layout, random_keys
 from lmkv.config import RemoteConfig
 from lmkv.dev.load_test import run_load
+from lmkv.dev.server_process import spawn
 from lmkv.page import make_header
 from lmkv.protocol import recv_exact
-from lmkv.dev.server_process import spawn
 from lmkv.tiers.server_client import ServerTier
-
-from lmkv.benchmarks.report import Report, gbps, interleaved, timed
-from lmkv.benchmarks.tiers import aligned_buffers, bench_layout
 
 log = logging.getLogger("lmkv.bench.server")
 
@@ -76,7 +75,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
                                       "load_clients": load_clients, "load_seconds": load_seconds})
     payloads = aligned_buffers(n, PAGE, fill=True)
     outs = aligned_buffers(n, PAGE, fill=False)
-    keys = [os.urandom(16) for _ in range(n)]
+    keys = random_keys(n)
     pages = [(make_header(k, lay, p), p) for k, p in zip(keys, payloads)]
     peer = subprocess.Popen([sys.executable, "-c", "from lmkv.benchmarks.server import raw_peer; raw_peer()"],
                             stdout=subprocess.PIPE, text=True)
@@ -90,7 +89,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
             def go():
                 raw.sendall(_CMD.pack(1, n * PAGE))
                 for p in payloads:
-                    raw.sendall(memoryview(p))
+                    raw.sendall(p.data)
                 recv_exact(raw, ack)
             return gbps(n * PAGE, timed(go))
 
@@ -98,7 +97,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
             def go():
                 raw.sendall(_CMD.pack(2, n * PAGE))
                 for o in outs:
-                    recv_exact(raw, memoryview(o))
+                    recv_exact(raw, o.data)
             return gbps(n * PAGE, timed(go))
 
         with spawn("--memory", "2GiB") as server:
@@ -129,7 +128,11 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
                 return gbps(n * PAGE, timed(lambda: shm.put(pages, "bench")))
 
             def memcpy() -> float:
-                return gbps(n * PAGE, timed(lambda: [np.copyto(o, p) for o, p in zip(outs, payloads)]))
+                def copy() -> None:
+                    for o, p in zip(outs, payloads):
+                        np.copyto(o, p)
+
+                return gbps(n * PAGE, timed(copy))
 
             tput, bput = interleaved(rounds, put, raw_put)
             tget, bget = interleaved(rounds, get, raw_get)

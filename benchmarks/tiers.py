@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
+from lmkv.benchmarks.report import Report, gbps, interleaved, timed
 from lmkv.config import DiskConfig, load_config
+from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
 from lmkv.page import make_header
 from lmkv.store import TieredStore
 from lmkv.tiers.disk import DiskTier
-
-from lmkv.benchmarks.report import Report, gbps, interleaved, timed
 
 log = logging.getLogger("lmkv.bench.tiers")
 
@@ -49,6 +49,10 @@ def bench_layout(page_bytes: int) -> GroupLayout:
         name=f"bench{page_bytes}", kind=StateKind.FULL_ATTENTION, num_layers=LAYERS,
         segments=(Segment("k", unit), Segment("v", unit)), tokens_per_page=16, dtype="bfloat16",
     )
+
+
+def random_keys(n: int) -> list[PageKey]:
+    return [PageKey(os.urandom(16)) for _ in range(n)]
 
 
 def aligned_buffers(n: int, nbytes: int, fill: bool) -> list[np.ndarray]:
@@ -70,7 +74,7 @@ def _memory(report: Report, label: str, lay: GroupLayout, n: int, rounds: int) -
     )
     payloads = aligned_buffers(n, size, fill=True)
     dsts = aligned_buffers(n, size, fill=False)
-    keys = [os.urandom(16) for _ in range(n)]
+    keys = random_keys(n)
     with TieredStore(cfg) as store:
 
         def put() -> float:
@@ -107,7 +111,7 @@ def _raw_write(paths: list[Path], payloads: list[np.ndarray], direct: bool) -> f
         for p, buf in zip(paths, payloads):
             fd = os.open(p, flags, 0o644)
             try:
-                os.write(fd, buf)
+                os.write(fd, buf.data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -126,7 +130,7 @@ def _raw_read(paths: list[Path], dst: np.ndarray, direct: bool) -> float:
         for p in paths:
             fd = os.open(p, flags)
             try:
-                os.readv(fd, [dst])
+                os.readv(fd, [dst.data])
             finally:
                 os.close(fd)
 
@@ -137,7 +141,7 @@ def _disk(report: Report, label: str, lay: GroupLayout, n: int, rounds: int, roo
     size = lay.payload_bytes
     payloads = aligned_buffers(n, size, fill=True)
     dsts = aligned_buffers(n, size, fill=False)
-    keys = [os.urandom(16) for _ in range(n)]
+    keys = random_keys(n)
     raw_dir = root / "raw"
     raw_dir.mkdir(exist_ok=True)
     raw = [raw_dir / f"p{i}" for i in range(n)]

@@ -30,10 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmkv.benchmarks.report import Report
 from lmkv.dev.local_engine import close, prepare_env
 from lmkv.dev.tinymodels import LLAMA_BENCH, make_llama
-
-from lmkv.benchmarks.report import Report
 
 log = logging.getLogger("lmkv.bench.vllm")
 
@@ -63,7 +62,7 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
     return [(i * 131 + seed * 7919) % (vocab - 3) + 3 for i in range(n)]
 
 
-def _doc_len(shape: "Shape", d: int) -> int:
+def _doc_len(shape: Shape, d: int) -> int:
     """Document ``d``'s length: ``doc_tokens`` less 0-31 tokens (most end inside a block)."""
     return shape.doc_tokens - (d * 13) % BLOCK
 
@@ -158,7 +157,8 @@ def _mean_ttft(variant: Variant, prompts: list[list[int]]) -> tuple[float, list[
 
 
 def _median_hit(variant: Variant, tokens: list[int], repeats: int, before) -> tuple[float, list[int]]:
-    times, out = [], []
+    times: list[float] = []
+    out: list[int] = []
     for _ in range(repeats):
         before()
         t, out = variant.ttft(tokens)
@@ -169,7 +169,10 @@ def _median_hit(variant: Variant, tokens: list[int], repeats: int, before) -> tu
 def _alternate(variant: Variant, tokens: list[int], repeats: int, before) -> tuple[float, list[int], float, list[int]]:
     """Medians of the engine's own prefix-cache hit (nothing moves) and of a hit prepared by
     ``before``, taken in turns so that drift affects both alike; with each one's output tokens."""
-    floors, hits, floor_out, hit_out = [], [], [], []
+    floors: list[float] = []
+    hits: list[float] = []
+    floor_out: list[int] = []
+    hit_out: list[int] = []
     for _ in range(repeats):
         t, floor_out = variant.ttft(tokens)
         floors.append(t)

@@ -28,9 +28,9 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -41,9 +41,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from lmkv.config import load_config
-from lmkv.errors import LMKVError, TierFullError
-from lmkv.keys import KeySpace, page_key
 from lmkv.engine.stores import acquire_store, release_store
+from lmkv.errors import LMKVError, TierFullError
+from lmkv.keys import KeySpace, PageKey, page_key
 
 from .sglang_pools import PoolPages, describe_pool
 
@@ -78,7 +78,7 @@ class LMKVHiCacheStorage(HiCacheStorage):
         self.space = KeySpace(_model_id(self.cfg.model_id, storage_config), self.cfg.namespace)
         self._scope = f"sglang:{os.getpid()}:{id(self)}"
         self.store = acquire_store(self._scope, self.cfg)
-        self._host_pools: dict[str, object] = {}
+        self._host_pools: dict[str, Any] = {}  # SGLang's host pools, by pool name
         self._pages: dict[str, PoolPages] = {}
         self._lock = threading.Lock()
 
@@ -115,10 +115,9 @@ class LMKVHiCacheStorage(HiCacheStorage):
                 self._pages[name] = pages
             return pages
 
-    def keys_for(self, name: str, keys: Sequence[str]) -> list[bytes]:
+    def keys_for(self, name: str, keys: Sequence[str]) -> list[PageKey]:
         layout = self.pool(name).layout
-        root = self.space.root
-        return [page_key(xxhash.xxh3_128_digest(root + k.encode()), layout) for k in keys]
+        return [page_key(self.space.adopt(k.encode()), layout) for k in keys]
 
     # -- queries ---------------------------------------------------------------
 

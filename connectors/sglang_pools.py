@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,15 +41,15 @@ class PoolPages:
     name: str
     layout: GroupLayout
     slots_per_page: int  # host indices one key covers (the pool's page_size; 1 for Mamba)
-    page_slice: Callable[[int], object]  # page number -> the pool's buffers for that page
-    segments: Callable[[object], list[torch.Tensor]]  # page slice -> per segment, (layers, ...) views
+    page_slice: Callable[[int], Any]  # page number -> the pool's buffers for that page (a tensor or a tuple)
+    segments: Callable[[Any], list[torch.Tensor]]  # page slice -> per segment, (layers, ...) views
 
     def page_of(self, host_index: int) -> int:
         return host_index // self.slots_per_page
 
     def flat_shape(self) -> torch.Size:
         """Shape of one page slice (SGLang's flat data page follows it)."""
-        return self.page_slice(0).shape  # type: ignore[union-attr]
+        return self.page_slice(0).shape
 
     def gather(self, parts: Sequence[torch.Tensor], payload) -> None:
         """Copy a page's segments (from :attr:`segments`) into an lmkv payload buffer."""
@@ -119,24 +120,24 @@ def describe_pool(
     """
     kind_name = type(host_pool).__name__
     replicas = tp_size if replicated else 1
-    common = dict(tp_size=tp_size, tp_rank=tp_rank, tp_replicas=replicas)
+    common: dict[str, Any] = dict(tp_size=tp_size, tp_rank=tp_rank, tp_replicas=replicas)
     if hasattr(host_pool, "temporal_buffer") and hasattr(host_pool, "conv_buffer"):  # MambaPoolHost
         buffers = [*host_pool.conv_buffer, host_pool.temporal_buffer]
         names = [f"conv{i}" if len(buffers) > 2 else "conv" for i in range(len(buffers) - 1)] + ["ssm"]
         live = [(n, b) for n, b in zip(names, buffers) if b.numel()]  # conv-only models: no temporal state
 
-        def page_slice(slot: int):
+        def state_slice(slot: int) -> tuple[torch.Tensor, ...]:
             return tuple(b[slot] for _, b in live)  # each (layers, 1, *state)
 
         def segments(s) -> list[torch.Tensor]:
             return list(s)
 
-        probe = page_slice(0)
+        probe = state_slice(0)
         layout = GroupLayout(
             name=name, kind=StateKind.MAMBA, num_layers=host_pool.num_mamba_layers,
             segments=_segments_of(list(zip([n for n, _ in live], probe))), tokens_per_page=tokens_per_page,
             dtype=_dtype_name([b.dtype for _, b in live]), **common)
-        return PoolPages(name, layout, 1, page_slice, segments)
+        return PoolPages(name, layout, 1, state_slice, segments)
 
     page_size = host_pool.page_size
     if page_size != tokens_per_page:

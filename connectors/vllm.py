@@ -35,12 +35,14 @@ from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
 from lmkv.connectors.vllm_pool import VllmFreeQueue
 from lmkv.engine.plan import StepPlan
 from lmkv.engine.residency import ResidencyDelta, ResidencyLog, ResidencyMirror
-from lmkv.engine.stores import acquire_store, find_store, live_stores, release_store
-from lmkv.tiers.factory import open_views
-from lmkv.tiers.remote import RemoteTier
 from lmkv.engine.scheduler import OffloadScheduler, Scheduled
 from lmkv.engine.sequence import Span
+from lmkv.engine.stores import acquire_store, find_store, live_stores, release_store
 from lmkv.engine.worker import LayerwiseTransfer
+from lmkv.keys import ChainHash
+from lmkv.store import TieredStore
+from lmkv.tiers.factory import open_views
+from lmkv.tiers.remote import RemoteTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,7 +66,7 @@ class LMKVWorkerMeta(KVConnectorWorkerMetadata):
     """What the workers' memory tiers gained and lost this step (for the scheduler's mirror)."""
 
     delta: ResidencyDelta = field(default_factory=ResidencyDelta)
-    failed_chains: list[bytes] = field(default_factory=list)  # pages whose load failed: quarantine them
+    failed_chains: list[ChainHash] = field(default_factory=list)  # pages whose load failed: quarantine them
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, LMKVWorkerMeta):
@@ -78,7 +80,7 @@ class LMKVConnectorStats(KVConnectorStats):
     the scheduler's ``scheduler.*`` (lookups, planned loads and stores, lazy offload's decisions)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, int | float] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
@@ -148,16 +150,18 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             # Workers are built before the scheduler: if one lives in this process, share its store;
             # otherwise mirror the workers' memory from their step reports and see shared tiers directly.
             store = find_store(self._scope)
+            residency: TieredStore | ResidencyMirror
             if store is None:
                 views, self._remote = open_views(self.cfg)
-                self.mirror = ResidencyMirror(views)
+                residency = self.mirror = ResidencyMirror(views)
             else:
+                residency = store
                 self._owned_scope = self._scope
             # vLLM recovers a failed layerwise load per block only with one cache group; with
             # several it needs the request-level path of asynchronous loads.
             mode = "async" if len(self.groups) > 1 else self.cfg.load_mode
             self.scheduler = OffloadScheduler(
-                store or self.mirror, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace,
+                residency, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace,
                 load_mode=mode, quarantine_seconds=self.cfg.quarantine_seconds, offload=self.cfg.offload,
             )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -294,7 +298,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         for i, g in enumerate(self.group_ids):
             names = self._kv_cache_config.kv_cache_groups[g].layer_names
             tensors.append([kv_caches[n] for n in names])
-            layer_names.update({n: (i, l) for l, n in enumerate(names)})
+            layer_names.update({n: (i, layer) for layer, n in enumerate(names)})
         store = acquire_store(self._scope, self.cfg)
         self._owned_scope = self._scope
         self._residency_log = store.memory.listener = ResidencyLog()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 
+from lmkv.keys import EngineBlockKey
+
 log = logging.getLogger(__name__)
 
 
@@ -26,7 +28,7 @@ class VllmFreeQueue:
         self.pool = pool
         #: cached blocks ``get_new_blocks`` handed out since :meth:`take_reused` (block id -> the hash it
         #: held); the queue's ``popleft_n`` is only called there, before the hashes are dropped
-        self._reused: dict[int, bytes] = {}
+        self._reused: dict[int, EngineBlockKey] = {}
         queue = pool.free_block_queue
         popleft_n = getattr(queue, "popleft_n", None)
         if popleft_n is None:  # another vLLM: lazy offload works on, without rescues
@@ -42,19 +44,19 @@ class VllmFreeQueue:
 
         queue.popleft_n = popleft_n_noting
 
-    def take_reused(self) -> list[tuple[int, bytes]]:
+    def take_reused(self) -> list[tuple[int, EngineBlockKey]]:
         out, self._reused = list(self._reused.items()), {}
         return out
 
-    def iter_free(self) -> Iterator[tuple[int, bytes | None]]:
+    def iter_free(self) -> Iterator[tuple[int, EngineBlockKey | None]]:
         for b in self.pool.free_block_queue.iter_blocks_after(None):
             yield b.block_id, b.block_hash
 
-    def cached_block(self, block_hash: bytes) -> int | None:
+    def cached_block(self, block_hash: EngineBlockKey) -> int | None:
         b = self.pool.cached_block_hash_to_block.get_one_block(block_hash)
         return None if b is None else b.block_id
 
-    def block_hash(self, block_id: int) -> bytes | None:
+    def block_hash(self, block_id: int) -> EngineBlockKey | None:
         return self.pool.blocks[block_id].block_hash
 
     def held(self, block_id: int) -> bool:

@@ -138,7 +138,7 @@ class KernelLayerBlocks:
         self.block_stride = layer.stride(0) * layer.element_size()
         self.visible = device_visible
         self.fallback = LayerBlocks(layer)  # for pages the GPU cannot reach
-        self._ptr = None
+        self._ptr: torch.Tensor | None = None
 
     def _indices(self, runs: Sequence):
         """The blocks and page addresses the kernel can copy (device tensors), and the runs it cannot;

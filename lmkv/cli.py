@@ -65,7 +65,8 @@ def _serve(args: argparse.Namespace) -> int:
     from lmkv.server import serve
 
     overrides: dict = {"config_file": args.file} if args.file else {}
-    server = {k: v for k, v in (("host", args.host), ("port", args.port), ("metrics_port", args.metrics_port)) if v is not None}
+    given = (("host", args.host), ("port", args.port), ("metrics_port", args.metrics_port))
+    server = {k: v for k, v in given if v is not None}
     if server:
         overrides["server"] = server
     if args.disk:

@@ -16,12 +16,12 @@ rather than silently falling back to a default.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
-
 
 ENV_PREFIX = "LMKV_"
 ENV_NESTING = "__"
@@ -187,7 +187,8 @@ class LMKVConfig(_Section):
     """Everything lmkv reads. Engine adapters add the model identity themselves."""
 
     namespace: str = Field("default", min_length=1, max_length=256, description="tenant; part of every key")
-    domain: str = Field("engine", min_length=1, max_length=256, description="residency domain that owns what this process stores")
+    domain: str = Field("engine", min_length=1, max_length=256,
+                        description="residency domain that owns what this process stores")
     model_id: str | None = Field(None, description="model identity for keys; engines fill it in")
     load_mode: Literal["auto", "layerwise", "async"] = Field(
         "auto",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import xxhash
 
@@ -63,7 +64,8 @@ class GroupLayout:
     growth: Growth = field(default=None)  # type: ignore[assignment]  # derived from kind when omitted
 
     def __post_init__(self) -> None:
-        if self.growth is None:
+        growth = cast(Growth | None, self.growth)  # (None until derived here: the field's default)
+        if growth is None:
             derived = Growth.PER_SEQUENCE if self.kind is StateKind.MAMBA else Growth.PER_TOKEN
             object.__setattr__(self, "growth", derived)
         problems = []

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lmkv.errors import LMKVError
+from lmkv.keys import PageKey
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,10 @@ class HasContains(Protocol):
 
     name: str
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]: ...
 
 
-def locate(keys: Sequence[bytes], tiers: Sequence[HasContains]) -> list[str | None]:
+def locate(keys: Sequence[PageKey], tiers: Sequence[HasContains]) -> list[str | None]:
     """Per key, the first tier that holds it; each tier is asked only about keys the ones above lacked.
 
     A tier that cannot answer (down, timed out) holds nothing for now.
@@ -72,7 +73,7 @@ def tier_failed(tier, what: str, err: BaseException) -> None:
         log.warning("lmkv: %s tier failed a %s (%s); serving from the other tiers", tier.name, what, err)
 
 
-def prefix_lookup(keys: Sequence[bytes], tiers: Sequence[HasContains]) -> Lookup:
+def prefix_lookup(keys: Sequence[PageKey], tiers: Sequence[HasContains]) -> Lookup:
     """The longest prefix of ``keys`` that some tier holds, page by page."""
     where = locate(keys, tiers)
     n = next((i for i, w in enumerate(where) if w is None), len(keys))

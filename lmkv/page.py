@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 
 from lmkv.errors import ChecksumError, PageFormatError, ShortReadError
-from lmkv.keys import KEY_BYTES
+from lmkv.keys import KEY_BYTES, PageKey
 from lmkv.layout import GroupLayout
 
 MAGIC = b"LMKV"
@@ -50,7 +50,7 @@ def padded(n: int, align: int = ALIGN) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PageHeader:
-    key: bytes
+    key: PageKey
     layout_fp: int
     payload_len: int
     digests: bytes  # num_units little-endian u64
@@ -99,7 +99,7 @@ def disk_page_bytes(layout: GroupLayout) -> int:
     return disk_header_bytes(layout) + padded(layout.payload_bytes)
 
 
-def _header_checksum(key: bytes, layout_fp: int, payload_len: int, digests: bytes) -> int:
+def _header_checksum(key: PageKey, layout_fp: int, payload_len: int, digests: bytes) -> int:
     return xxhash.xxh3_64_intdigest(
         key + layout_fp.to_bytes(8, "little") + payload_len.to_bytes(8, "little") + digests
     )
@@ -121,7 +121,7 @@ def as_bytes_view(buf) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def make_header(key: bytes, layout: GroupLayout, payload) -> PageHeader:
+def make_header(key: PageKey, layout: GroupLayout, payload) -> PageHeader:
     """Compute the header of a page: one pass over the payload."""
     view = as_bytes_view(payload)
     if len(key) != KEY_BYTES:
@@ -136,14 +136,14 @@ def make_header(key: bytes, layout: GroupLayout, payload) -> PageHeader:
     return PageHeader(key, fp, len(view), digests, _header_checksum(key, fp, len(view), digests))
 
 
-def rekey(header: PageHeader, key: bytes) -> PageHeader:
+def rekey(header: PageHeader, key: PageKey) -> PageHeader:
     """The same page under another key (the server's namespace-qualified key and back):
     only the header checksum is recomputed, the payload digests stay."""
     return PageHeader(key, header.layout_fp, header.payload_len, header.digests,
                       _header_checksum(key, header.layout_fp, header.payload_len, header.digests))
 
 
-def unpack_header(buf, expect_key: bytes | None = None, layout: GroupLayout | None = None) -> PageHeader:
+def unpack_header(buf, expect_key: PageKey | None = None, layout: GroupLayout | None = None) -> PageHeader:
     """Parse and check a header; raises :class:`PageFormatError` on anything unexpected."""
     view = as_bytes_view(buf)
     if len(view) < FIXED_BYTES:
@@ -169,7 +169,7 @@ def unpack_header(buf, expect_key: bytes | None = None, layout: GroupLayout | No
             )
         if plen != layout.payload_bytes or n_units != num_units(layout):
             raise PageFormatError(f"page size {plen} does not match group {layout.name!r}")
-    return PageHeader(key, fp, plen, digests, checksum)
+    return PageHeader(PageKey(key), fp, plen, digests, checksum)
 
 
 def verify_payload(header: PageHeader, layout: GroupLayout, payload) -> None:

@@ -179,7 +179,7 @@ REQUESTS: dict[Op, type] = {
     Op.HELLO: Hello, Op.EXISTS: Keys, Op.GET: Get, Op.PUT: Put, Op.DELETE: Keys,
     Op.CLEAR: Clear, Op.STATS: Empty, Op.PING: Empty,
 }
-_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in REQUESTS.items()}
+_decoders: dict[Op, msgspec.msgpack.Decoder] = {op: msgspec.msgpack.Decoder(t) for op, t in REQUESTS.items()}
 _encoder = msgspec.msgpack.Encoder()
 
 

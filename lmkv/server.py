@@ -32,12 +32,13 @@ import threading
 import numpy as np
 import xxhash
 
+from lmkv import shm_window
 from lmkv.config import ConfigError, LMKVConfig
 from lmkv.domains import check_domain
 from lmkv.errors import LMKVError, PageError, TierFullError
-from lmkv.keys import KEY_BYTES
+from lmkv.keys import KEY_BYTES, PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
-from lmkv.page import PageHeader, rekey, unpack_header, units_in_ranges
+from lmkv.page import PageHeader, rekey, units_in_ranges, unpack_header
 from lmkv.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
@@ -60,7 +61,6 @@ from lmkv.protocol import (
     read_frame,
     recv_exact,
 )
-from lmkv import shm_window
 from lmkv.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,10 @@ class Client:
 
     # -- helpers ---------------------------------------------------------------
 
-    def inner(self, key: bytes) -> bytes:
+    def inner(self, key: bytes) -> PageKey:
         """The server-side key: the client's key qualified by its namespace."""
         assert self.ns_seed is not None
-        return xxhash.xxh3_128_digest(self.ns_seed + key)
+        return PageKey(xxhash.xxh3_128_digest(self.ns_seed + key))
 
     def domain(self, name: str) -> str:
         try:
@@ -353,7 +353,8 @@ class Server:
         if sc.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            self._metrics_server, _ = start_http_server(sc.metrics_port, addr=sc.host, registry=self.store.metrics.registry)
+            registry = self.store.metrics.registry
+            self._metrics_server, _ = start_http_server(sc.metrics_port, addr=sc.host, registry=registry)
             self.metrics_port = self._metrics_server.server_port
 
     def serve_forever(self) -> None:

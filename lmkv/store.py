@@ -20,7 +20,6 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +29,7 @@ import numpy as np
 
 from lmkv.config import LMKVConfig
 from lmkv.errors import LMKVError, TierFullError
+from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.lookup import Lookup, locate, prefix_lookup, tier_failed
 from lmkv.metrics import Metrics
@@ -85,23 +85,23 @@ class TieredStore:
         self._pool = ThreadPoolExecutor(cfg.store.io_threads, thread_name_prefix="lmkv-io")
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
-        self._retry: dict[str, OrderedDict[bytes, str]] = {}  # tier -> key -> domain, oldest first
+        self._retry: dict[str, OrderedDict[PageKey, str]] = {}  # tier -> key -> domain, oldest first
         self._retry_lock = threading.Lock()
 
     # -- lookup ------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> Lookup:
+    def lookup(self, keys: Sequence[PageKey]) -> Lookup:
         """The longest prefix of ``keys`` resident in some tier."""
         with self.metrics.timed("lookup"):
             return prefix_lookup(keys, self.tiers)
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         """Per key, whether any tier holds it (not prefix-ordered)."""
         return [w is not None for w in locate(keys, self.tiers)]
 
     # -- reads -------------------------------------------------------------
 
-    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+    def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         """Read each page from the fastest tier that has it; ``None`` where none could."""
         with self.metrics.timed("get"):
             results: list[PageHeader | None] = [None] * len(keys)
@@ -126,7 +126,7 @@ class TieredStore:
                 todo = [i for i in todo if results[i] is None]
             return results
 
-    def fetch(self, keys: Sequence[bytes], layout: GroupLayout) -> Fetched:
+    def fetch(self, keys: Sequence[PageKey], layout: GroupLayout) -> Fetched:
         """Host views of pages for an engine load, pinned until released; ``None`` where a page failed.
 
         Memory hits are lent as they are (zero copy). Pages only a lower tier has are
@@ -153,6 +153,7 @@ class TieredStore:
                     session = self.memory.open_session(want, [layout] * len(want), self.domain)
                 except TierFullError:
                     pass
+            bufs: list[np.ndarray | None]
             if session is not None:
                 bufs = [session.buffer(j) for j in range(len(want))]
             else:
@@ -179,7 +180,7 @@ class TieredStore:
                 found[i] = h
             return Fetched(views, found, leases)
 
-    def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
+    def get_units(self, keys: Sequence[PageKey], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
         """Pages straight into an engine's memory: ``units[i][u]`` receives page i's unit u (one
         layer of one block). Memory pages are copied from the arena; a lower tier that reads in
         place (a buffered disk tier: one read per page, checksums verified where the bytes land)
@@ -225,7 +226,7 @@ class TieredStore:
 
     def put(
         self,
-        keys: Sequence[bytes],
+        keys: Sequence[PageKey],
         layouts: Sequence[GroupLayout],
         payloads: Sequence,
         domain: str | None = None,
@@ -264,7 +265,7 @@ class TieredStore:
             self._run_retries(tier)
         return stored
 
-    def _queue_retry(self, tier: str, keys: Sequence[bytes], domain: str) -> None:
+    def _queue_retry(self, tier: str, keys: Sequence[PageKey], domain: str) -> None:
         cap = self.cfg.store.retry_pages
         with self._retry_lock:
             q = self._retry.setdefault(tier, OrderedDict())
@@ -280,7 +281,7 @@ class TieredStore:
         with self._retry_lock:
             q = self._retry.get(tier.name)
             batch = [q.popitem(last=False) for _ in range(min(len(q), 256))] if q else []
-        by_domain: dict[str, list[bytes]] = {}
+        by_domain: dict[str, list[PageKey]] = {}
         for k, d in batch:
             by_domain.setdefault(d, []).append(k)
         for domain, keys in by_domain.items():
@@ -307,7 +308,7 @@ class TieredStore:
                 self.write_down(nxt, [(header, view)], domain, from_memory=False)
 
     def open_session(
-        self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str | None = None
+        self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str | None = None
     ) -> StoreSession:
         """Reserve pages in memory for one step; see :class:`StoreSession`."""
         return StoreSession(self, keys, layouts, domain or self.domain)
@@ -319,7 +320,7 @@ class TieredStore:
         domain = domain or self.domain
         return sum(t.clear(domain) for t in self.tiers)
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[PageKey]) -> int:
         return sum(t.delete(keys) for t in self.tiers)
 
     # -- async -------------------------------------------------------------
@@ -342,13 +343,13 @@ class TieredStore:
             pending = list(self._pending)
         concurrent.futures.wait(pending, timeout=timeout)
 
-    async def alookup(self, keys: Sequence[bytes]) -> Lookup:
+    async def alookup(self, keys: Sequence[PageKey]) -> Lookup:
         return await asyncio.wrap_future(self.submit(self.lookup, keys))
 
-    async def aget(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+    async def aget(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         return await asyncio.wrap_future(self.submit(self.get, keys, layout, outs))
 
-    async def aput(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], payloads: Sequence) -> list[bool]:
+    async def aput(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], payloads: Sequence) -> list[bool]:
         return await asyncio.wrap_future(self.submit(self.put, keys, layouts, payloads))
 
     # -- lifecycle -----------------------------------------------------------
@@ -405,7 +406,8 @@ class StoreSession:
     down. An aborted session leaves nothing in any tier.
     """
 
-    def __init__(self, store: TieredStore, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> None:
+    def __init__(self, store: TieredStore, keys: Sequence[PageKey], layouts: Sequence[GroupLayout],
+                 domain: str) -> None:
         self._store = store
         self._domain = domain
         self._inner: WriteSession = store.memory.open_session(keys, layouts, domain)

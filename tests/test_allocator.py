@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmkv.tiers.allocator import SlabAllocator
 from lmkv.page import ALIGN
+from lmkv.tiers.allocator import SlabAllocator
 
 
 @given(st.lists(st.tuples(st.booleans(), st.sampled_from([4096, 10000, 65536, 200000])), max_size=300),

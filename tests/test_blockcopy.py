@@ -101,8 +101,8 @@ def test_bench_copy_quick_json_shape(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "lmkv.cli", "bench", "copy", "--quick", "--json", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, check=True)
+    cmd = [sys.executable, "-m", "lmkv.cli", "bench", "copy", "--quick", "--json", "--dir", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
     report = json.loads(out.stdout)
     assert report["bench"] == "copy"
     for op in ("gather", "scatter"):

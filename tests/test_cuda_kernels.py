@@ -127,10 +127,10 @@ def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel():
     _gpu()
     from lmkv.config import load_config
     from lmkv.cuda import KernelLayerBlocks
-    from lmkv.layout import attention_layout
     from lmkv.engine.plan import PageOp, StepPlan
-    from lmkv.store import TieredStore
     from lmkv.engine.worker import LayerwiseTransfer
+    from lmkv.layout import attention_layout
+    from lmkv.store import TieredStore
 
     layers = views("LBNHC", "cuda")
     before = [t.clone() for t in layers]

@@ -6,12 +6,11 @@ import time
 
 import numpy as np
 import pytest
+from conftest import random_key, random_payload
 
 from lmkv.config import DiskConfig
 from lmkv.page import make_header
 from lmkv.tiers.disk import DiskTier, probe_direct_io
-
-from conftest import random_key, random_payload
 
 IO = ["buffered", "direct"]
 
@@ -153,7 +152,7 @@ def test_disk_full_is_a_clean_per_page_failure(tiny_fs, layout):
     assert t.stats.full >= 1 and t.stats.errors == 0
     assert not list((tiny_fs / "tmp").iterdir())  # no half-written page left behind
     out = np.zeros_like(pages[0][2])
-    for (k, h, p), ok in zip(pages, results):
+    for (k, _, p), ok in zip(pages, results):
         got = t.get([k], layout, [out])[0]
         assert (got is not None) == ok
         if ok:

@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
+from conftest import random_key, random_payload
 
 from lmkv.config import ConfigError, load_config
 from lmkv.store import TieredStore
-
-from conftest import random_key, random_payload
 
 
 def _store(tmp_path, layout, **faults) -> TieredStore:

@@ -2,13 +2,12 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import random_key, random_payload
 
 from lmkv.config import MemoryConfig
 from lmkv.errors import TierFullError
 from lmkv.page import make_header
 from lmkv.tiers.memory import MemoryTier
-
-from conftest import random_key, random_payload
 
 
 def _tier(pages: int, layout, **kw) -> MemoryTier:
@@ -37,7 +36,7 @@ def test_capacity_evicts_and_reports_to_hook(layout):
     t = _tier(4, layout)
     t.on_evict = lambda items: evicted.extend(h.key for h, _, _ in items)
     pages = [_page(layout, i) for i in range(6)]
-    for k, h, p in pages:
+    for _, h, p in pages:
         t.put([(h, p)], "w0")
     assert len(t) == 4 and t.used_bytes == 4 * layout.payload_bytes
     assert len(evicted) == 2 and t.stats.evictions == 2
@@ -220,10 +219,10 @@ def test_an_arena_that_must_be_pinned_and_cannot_be_is_an_error():
 
 
 def test_memory_tier_maps_ahead_of_the_slots_it_hands_out(layout):
+    from conftest import make_pages
+
     from lmkv.config import MemoryConfig
     from lmkv.tiers.memory import POPULATE_AHEAD, MemoryTier
-
-    from conftest import make_pages
 
     t = MemoryTier(MemoryConfig(capacity=POPULATE_AHEAD * 2, pin="never"))  # (a page-locked arena is mapped whole)
     _, _, pages = make_pages(layout, 2)

@@ -1,16 +1,21 @@
 import numpy as np
 import pytest
+from conftest import random_payload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmkv.errors import ChecksumError, PageFormatError, ShortReadError
 from lmkv.layout import GroupLayout
 from lmkv.page import (
-    FIXED_BYTES, make_header, unit_ranges, units_in_ranges, units_of_layers, unpack_header,
-    verify_payload, verify_units,
+    FIXED_BYTES,
+    make_header,
+    unit_ranges,
+    units_in_ranges,
+    units_of_layers,
+    unpack_header,
+    verify_payload,
+    verify_units,
 )
-
-from conftest import random_payload
 
 KEY = bytes(range(16))
 

@@ -1,6 +1,6 @@
-from lmkv.tiers.eviction import LRUPolicy, S3FIFOPolicy, make_policy
-
 import pytest
+
+from lmkv.tiers.eviction import LRUPolicy, S3FIFOPolicy, make_policy
 
 
 def _fill_and_run(policy, capacity: int, trace: list[int]) -> int:

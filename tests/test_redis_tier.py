@@ -7,14 +7,14 @@ import time
 import numpy as np
 import pytest
 import redis
-
 from conftest import make_pages, random_key
+
 from lmkv.config import ConfigError, RemoteConfig, load_config
-from lmkv.errors import TierUnavailableError
 from lmkv.dev.redis_server import free_port, start_redis
+from lmkv.errors import TierUnavailableError
 from lmkv.store import TieredStore
-from lmkv.tiers.redis import RedisTier
 from lmkv.tiers.factory import open_remote
+from lmkv.tiers.redis import RedisTier
 
 
 @pytest.fixture(params=["node", "cluster"])

@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import random_key, random_payload
+
 from lmkv.config import load_config
 from lmkv.dev.redis_server import free_port, start_redis
 from lmkv.dev.server_process import spawn

@@ -10,14 +10,14 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import make_pages, random_key, random_payload
+
 from lmkv.config import ConfigError, RemoteConfig, load_config
+from lmkv.dev.redis_server import free_port
+from lmkv.dev.server_process import spawn
 from lmkv.errors import TierUnavailableError
 from lmkv.page import make_header
 from lmkv.protocol import FRAME, MAGIC, Get, Hello, LayoutMsg, Op, RemoteError, encode, frame
-from lmkv.dev.redis_server import free_port
-from lmkv.dev.server_process import spawn
 from lmkv.server import Server
 from lmkv.store import TieredStore
 from lmkv.tiers.server_client import ServerTier
@@ -109,19 +109,23 @@ BAD_FRAMES = {
     "a second HELLO": frame(Op.HELLO, encode(Hello(1, "other-tenant"))),
 }
 
+def _lay(layers: int) -> LayoutMsg:
+    return LayoutMsg("x", "full_attention", layers, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token")
+
+
 BAD_REQUESTS = {
     "not msgpack": frame(Op.EXISTS, b"\xc1\xc1\xc1"),
     "unknown op": frame(99, b"\x80"),
     "wrong field types": frame(Op.EXISTS, encode({"keys": "not a list"})),
     "a 3-byte key": frame(Op.EXISTS, encode({"keys": [b"abc"]})),
     "too many keys": frame(Op.EXISTS, encode({"keys": [b"k" * 16] * 5000})),
-    "a layout with no layers": frame(Op.GET, encode(Get([b"k" * 16], LayoutMsg("x", "full_attention", 0, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token")))),
-    "ranges off unit boundaries": frame(Op.GET, encode(Get([b"k" * 16], LayoutMsg("x", "full_attention", 2, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token"), [(3, 9)]))),
+    "a layout with no layers": frame(Op.GET, encode(Get([b"k" * 16], _lay(0)))),
+    "ranges off unit boundaries": frame(Op.GET, encode(Get([b"k" * 16], _lay(2), [(3, 9)]))),
     "put bulk that does not match": frame(Op.PUT, encode({"headers": [], "domain": "engine"}), 10) + b"0123456789",
     "put of a garbage header": frame(Op.PUT, encode({"headers": [b"\0" * 80], "domain": "engine"})),
     "a bad domain": frame(Op.CLEAR, encode({"domain": "../../etc"})),
-    "a layout of a million layers": frame(Op.GET, encode(Get([b"k" * 16], LayoutMsg("x", "full_attention", 10**6, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token")))),
-    "shared memory never mapped": frame(Op.GET, encode(Get([b"k" * 16], LayoutMsg("x", "full_attention", 2, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token"), dst=[0]))),
+    "a layout of a million layers": frame(Op.GET, encode(Get([b"k" * 16], _lay(10**6)))),
+    "shared memory never mapped": frame(Op.GET, encode(Get([b"k" * 16], _lay(2), dst=[0]))),
 }
 
 

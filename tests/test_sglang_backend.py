@@ -14,11 +14,6 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-
-from tests.sglang_pools import fill_random, mamba_host, mha_host, mla_host, snapshot, zero
-
-from lmkv.layout import StateKind
-
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402  (after tests.sglang_pools set up the import)
     HiCacheStorageConfig,
     PoolHitPolicy,
@@ -26,6 +21,9 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402  (after tests.s
     PoolTransfer,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from lmkv.layout import StateKind
+from tests.sglang_pools import fill_random, mamba_host, mha_host, mla_host, snapshot, zero
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 P = 4  # tokens per page

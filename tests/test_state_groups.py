@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lmkv.config import OffloadConfig, load_config
-from lmkv.layout import GroupLayout, Segment, StateKind, attention_layout
 from lmkv.engine.scheduler import OffloadScheduler, Scheduled
+from lmkv.layout import GroupLayout, Segment, StateKind, attention_layout
 from lmkv.store import TieredStore
 
 TPP = 16

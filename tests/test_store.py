@@ -5,13 +5,12 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import random_payload
 
 from lmkv.config import load_config
 from lmkv.errors import TierFullError
 from lmkv.keys import KeySpace, chain_hashes, page_keys
 from lmkv.store import TieredStore
-
-from conftest import random_payload
 
 
 def _store(tmp_path, layout, mem_pages=4, **store_cfg) -> TieredStore:
@@ -211,7 +210,8 @@ def test_fetch_without_promotion_reads_into_its_own_buffers(tmp_path, layout):
 def _unit_buffers(layout, n):
     """One buffer per unit of each of n pages, spread over a larger block of memory like an engine's rows."""
     rows = np.zeros((n, layout.num_layers, layout.layer_stride + 64), np.uint8)
-    bounds = [(layout.segment_offset(s), layout.segment_offset(s) + seg.nbytes) for s, seg in enumerate(layout.segments)]
+    bounds = [(layout.segment_offset(s), layout.segment_offset(s) + seg.nbytes)
+              for s, seg in enumerate(layout.segments)]
     return rows, [[rows[i, lay, a:b] for lay in range(layout.num_layers) for a, b in bounds] for i in range(n)]
 
 

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from lmkv.dev.tinymodels import make_llama  # noqa: E402
-
 from vllm_engine import BLOCK, engine, generate, lmkv_stats, prompt, run  # noqa: E402
+
+from lmkv.dev.tinymodels import make_llama  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -244,8 +244,8 @@ def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
     does not run such a model on this CPU): lmkv restores the attention pages and the Mamba state
     at the last page boundary a step ended on (192 of 300 tokens with 192-token chunks), and the
     tokens are those of the engine without lmkv. Scrambled state pages change them."""
-    from lmkv.engine.stores import live_stores
     from lmkv.dev.tinymodels import make_granite_hybrid
+    from lmkv.engine.stores import live_stores
 
     model = str(make_granite_hybrid(root=tmp_path))
     p = prompt(300, seed=90)
@@ -293,7 +293,8 @@ def test_demo_runs(tmp_path):
 
     env = {**os.environ, "LMKV_MODEL_DIR": str(tmp_path / "models")}
     out = subprocess.run(
-        [sys.executable, "-m", "lmkv.cli", "demo", "--docs", "1", "--doc-tokens", "512", "--disk", str(tmp_path / "disk")],
+        [sys.executable, "-m", "lmkv.cli", "demo", "--docs", "1", "--doc-tokens", "512",
+         "--disk", str(tmp_path / "disk")],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -19,8 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from lmkv.engine.stores import live_stores  # noqa: E402
 from lmkv.dev.tinymodels import make_llama  # noqa: E402
+from lmkv.engine.stores import live_stores  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -348,9 +348,12 @@ def test_a_model_lmkv_cannot_restore_whole_is_served_nothing(model_config):
     from lmkv.connectors.vllm import LMKVConnector
 
     cfg = vllm_config(model_config, {"memory": {"capacity": "16MiB"}})
-    groups = [KVCacheGroupSpec([LAYERS[0]], FullAttentionSpec(block_size=16, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)),
-              KVCacheGroupSpec([LAYERS[1]], FullAttentionSpec(block_size=32, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16))]
-    conn = LMKVConnector(cfg, KVConnectorRole.SCHEDULER, KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
+    def spec(block_size: int) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+
+    groups = [KVCacheGroupSpec([LAYERS[0]], spec(16)), KVCacheGroupSpec([LAYERS[1]], spec(32))]
+    kv_cache = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    conn = LMKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache)
     try:
         req = Harness.request("r", tokens(100, 1))
         assert conn.groups == [] and conn.get_num_new_matched_tokens(req, 0) == (0, False)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from lmkv.config import load_config
-from lmkv.layout import attention_layout
 from lmkv.engine.plan import PageOp, StepPlan
-from lmkv.store import TieredStore
 from lmkv.engine.worker import LayerwiseTransfer
+from lmkv.layout import attention_layout
+from lmkv.store import TieredStore
 
 LAYERS, TOKENS, BLOCKS = 3, 16, 8
 CHAINS = [bytes([i + 1]) * 16 for i in range(4)]

@@ -14,10 +14,10 @@ import sys
 import torch
 
 from lmkv.config import load_config
-from lmkv.layout import attention_layout
 from lmkv.engine.plan import PageOp, StepPlan
-from lmkv.store import TieredStore
 from lmkv.engine.worker import LayerwiseTransfer
+from lmkv.layout import attention_layout
+from lmkv.store import TieredStore
 
 LAYERS, TOKENS, BLOCKS = 2, 16, 8
 CHAINS = [bytes([i + 1]) * 16 for i in range(4)]
@@ -46,7 +46,7 @@ def held(rank: int) -> list[list[torch.Tensor]]:
 
 def main() -> None:
     rank, phase, cfg = int(sys.argv[1]), sys.argv[2], load_config(json.loads(sys.argv[3]), environ={})
-    names = {f"g{g}.l{l}": (g, l) for g in range(2) for l in range(LAYERS)}
+    names = {f"g{g}.l{layer}": (g, layer) for g in range(2) for layer in range(LAYERS)}
     tensors = held(rank) if phase == "store" else [[torch.zeros_like(t) for t in ts] for ts in held(rank)]
     ops = [PageOp("r", g, CHAINS, BLOCK_IDS, list(range(4))) for g in range(2)]
     with TieredStore(cfg) as store:
@@ -65,7 +65,7 @@ def main() -> None:
             w.before_layer(name)
         w.end()
         want = held(rank)
-        same = {lay.name: all(torch.equal(tensors[g][l][BLOCK_IDS], want[g][l][BLOCK_IDS]) for l in range(LAYERS))
+        same = {lay.name: all(torch.equal(tensors[g][i][BLOCK_IDS], want[g][i][BLOCK_IDS]) for i in range(LAYERS))
                 for g, lay in enumerate(groups(rank))}
         print(json.dumps({"loaded": w.stats.totals.loaded_pages, "identical": same,
                           "groups": {k: vars(v)["loaded_pages"] for k, v in w.stats.groups.items()}}))

@@ -15,6 +15,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
@@ -23,7 +24,7 @@ from rich.table import Table
 from lmkv.dev.local_engine import close, prepare_env
 from lmkv.dev.tinymodels import make_llama
 
-DEMO_MODEL = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
+DEMO_MODEL: dict[str, Any] = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=4,
                   num_hidden_layers=8, vocab_size=2048)
 
 
@@ -110,7 +111,8 @@ def run(args: DemoArgs) -> int:
     for col in ("document", "cold", "warm: lmkv memory", "fresh engine: lmkv disk", "speed-up (memory / disk)"):
         table.add_column(col, justify="right")
     for d, (cold, warm, fresh) in rows.items():
-        table.add_row(str(d), f"{cold:.3f} s", f"{warm:.3f} s", f"{fresh:.3f} s", f"{cold / warm:.1f}x / {cold / fresh:.1f}x")
+        speedup = f"{cold / warm:.1f}x / {cold / fresh:.1f}x"
+        table.add_row(str(d), f"{cold:.3f} s", f"{warm:.3f} s", f"{fresh:.3f} s", speedup)
     console.print(table)
 
     stats = Table(title="lmkv tiers (engine 1: passes 1-2; engine 2: pass 3)")

@@ -20,6 +20,7 @@ import xxhash
 
 from lmkv.config import RemoteConfig
 from lmkv.errors import LMKVError
+from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import make_header
 from lmkv.tiers.server_client import ServerTier
@@ -56,10 +57,10 @@ def run_load(url: str, clients: int, seconds: float, layout: GroupLayout, keys_p
     def client(ci: int) -> None:
         tier = ServerTier(RemoteConfig(url=url, **remote), namespace=f"load-{seed}")
         rng = random.Random(seed * 1000 + ci)
-        keys = [xxhash.xxh3_128_digest(f"{seed}/{ci}/{j}".encode()) for j in range(keys_per_client)]
+        keys = [PageKey(xxhash.xxh3_128_digest(f"{seed}/{ci}/{j}".encode())) for j in range(keys_per_client)]
         content = {k: _content(k, layout.payload_bytes) for k in keys}
         headers = {k: make_header(k, layout, content[k]) for k in keys}
-        acked: set[bytes] = set()
+        acked: set[PageKey] = set()
         outs = [np.empty(layout.payload_bytes, np.uint8) for _ in range(batch)]
         mine = LoadResult(1, seconds)
         try:

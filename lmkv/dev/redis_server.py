@@ -50,7 +50,8 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 10.0, ca: st
             raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode} (port in use?)")
         try:
             raw = socket.create_connection(("127.0.0.1", port), 0.2)
-            with (ssl.create_default_context(cafile=ca).wrap_socket(raw, server_hostname="127.0.0.1") if ca else raw) as s:
+            tls = ssl.create_default_context(cafile=ca) if ca else None
+            with (tls.wrap_socket(raw, server_hostname="127.0.0.1") if tls else raw) as s:
                 s.sendall(b"PING\r\n")
                 if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):  # up (maybe asking for a password)
                     return

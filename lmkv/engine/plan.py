@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lmkv.keys import ChainHash
+
 
 @dataclass
 class PageOp:
@@ -17,7 +19,7 @@ class PageOp:
 
     req_id: str
     group: int
-    chains: list[bytes]
+    chains: list[ChainHash]
     block_ids: list[int]
     pages: list[int]  # each page's index within the request
 

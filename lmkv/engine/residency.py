@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lmkv.keys import PageKey
 from lmkv.lookup import Lookup, locate, prefix_lookup
 
 
@@ -24,8 +25,8 @@ from lmkv.lookup import Lookup, locate, prefix_lookup
 class ResidencyDelta:
     """Keys a memory tier gained and lost since the last delta, in order."""
 
-    added: list[bytes] = field(default_factory=list)
-    removed: list[bytes] = field(default_factory=list)
+    added: list[PageKey] = field(default_factory=list)
+    removed: list[PageKey] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.added or self.removed)
@@ -40,13 +41,13 @@ class ResidencyLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._delta = ResidencyDelta()
-        self._order: list[tuple[bool, bytes]] = []
+        self._order: list[tuple[bool, PageKey]] = []
 
-    def added(self, key: bytes) -> None:
+    def added(self, key: PageKey) -> None:
         with self._lock:
             self._order.append((True, key))
 
-    def removed(self, key: bytes) -> None:
+    def removed(self, key: PageKey) -> None:
         with self._lock:
             self._order.append((False, key))
 
@@ -54,7 +55,7 @@ class ResidencyLog:
         """The net change since the last drain: a key added then removed is reported removed."""
         with self._lock:
             order, self._order = self._order, []
-        final: dict[bytes, bool] = {}
+        final: dict[PageKey, bool] = {}
         for present, key in order:
             final[key] = present
         delta = ResidencyDelta()
@@ -67,9 +68,9 @@ class _MirroredMemory:
     name = "memory"
 
     def __init__(self) -> None:
-        self.keys: set[bytes] = set()
+        self.keys: set[PageKey] = set()
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         return [k in self.keys for k in keys]
 
 
@@ -87,8 +88,8 @@ class ResidencyMirror:
     def __len__(self) -> int:
         return len(self._memory.keys)
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         return [w is not None for w in locate(keys, self.tiers)]
 
-    def lookup(self, keys: Sequence[bytes]) -> Lookup:
+    def lookup(self, keys: Sequence[PageKey]) -> Lookup:
         return prefix_lookup(keys, self.tiers)

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lmkv.config import OffloadConfig
-from lmkv.keys import KeySpace, page_key
-from lmkv.offload.lazy import FreeQueue, LazyOffload, Pick
-from lmkv.layout import GroupLayout, Growth
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.sequence import SequenceKeys, Span
+from lmkv.keys import ChainHash, EngineBlockKey, KeySpace, PageKey, page_key
+from lmkv.layout import GroupLayout, Growth
 from lmkv.lookup import Lookup
+from lmkv.offload.lazy import FreeQueue, LazyOffload, Pick
 
 #: engine block id that marks "no block" (vLLM's null block; skipped windows)
 NULL_BLOCK = 0
@@ -82,16 +82,16 @@ class Scheduled:
     req_id: str
     computed_after_step: int  # tokens whose state exists once this step ran
     tokens: Sequence[int]  # all token ids known so far
-    block_hashes: Sequence[bytes] = ()  # the engine's hash of each full block (for lazy offload)
+    block_hashes: Sequence[bytes] = ()  # the engine's hash of each full block, its own bytes (for lazy offload)
 
 
 class Residency(Protocol):
     """What the scheduler asks about residency: a :class:`~lmkv.store.TieredStore` or a
     :class:`~lmkv.engine.residency.ResidencyMirror` of workers in other processes."""
 
-    def lookup(self, keys: Sequence[bytes]) -> Lookup: ...
+    def lookup(self, keys: Sequence[PageKey]) -> Lookup: ...
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]: ...
 
 
 class OffloadScheduler:
@@ -113,7 +113,7 @@ class OffloadScheduler:
         self.store = store
         self.load_mode = load_mode
         self.quarantine_seconds = quarantine_seconds
-        self._quarantine: dict[bytes, float] = {}  # chain hash -> when it may be offered again
+        self._quarantine: dict[ChainHash, float] = {}  # when each may be offered again
         self._released_next: list = []  # memory pins of the loads in the last plan
         self.groups = list(groups)
         self.tpp = tokens_per_page
@@ -129,8 +129,8 @@ class OffloadScheduler:
             page_bytes = max((lay.payload_bytes for lay in self.groups), default=1)
             self.lazy = LazyOffload(offload, page_bytes, self._engine_resident)
         self._pool: FreeQueue | None = None
-        self._engine_key: Callable[[int, bytes], bytes] | None = None
-        self._engine_pages: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()  # engine hash -> (group, chain)
+        self._engine_key: Callable[[int, bytes], EngineBlockKey] | None = None
+        self._engine_pages: OrderedDict[EngineBlockKey, tuple[int, ChainHash]] = OrderedDict()  # -> (group, chain)
         self._inflight: list[Pick] = []
 
     def take_stats(self) -> dict[str, int]:
@@ -143,7 +143,7 @@ class OffloadScheduler:
         self._reported = totals
         return out
 
-    def bind_free_queue(self, pool: FreeQueue, engine_key: Callable[[int, bytes], bytes]) -> None:
+    def bind_free_queue(self, pool: FreeQueue, engine_key: Callable[[int, bytes], EngineBlockKey]) -> None:
         """The engine's block pool, for lazy offload; ``engine_key(group, block hash)`` is how the
         pool names a group's cached block."""
         self._pool = pool
@@ -192,7 +192,7 @@ class OffloadScheduler:
         self.stats.lookups += 1
         return hit * self.tpp
 
-    def _unquarantined(self, chains: Sequence[bytes], start: int, end: int) -> int:
+    def _unquarantined(self, chains: Sequence[ChainHash], start: int, end: int) -> int:
         """The first page in ``[start, end)`` whose load failed recently (or ``end``)."""
         if not self._quarantine:
             return end
@@ -200,7 +200,7 @@ class OffloadScheduler:
         self._quarantine = {c: t for c, t in self._quarantine.items() if t > now}
         return next((p for p in range(start, end) if chains[p] in self._quarantine), end)
 
-    def quarantine(self, chains: Iterable[bytes]) -> None:
+    def quarantine(self, chains: Iterable[ChainHash]) -> None:
         """Pages whose load failed: not offered again for a while, so a retry recomputes them."""
         until = time.monotonic() + self.quarantine_seconds
         for c in chains:
@@ -240,17 +240,18 @@ class OffloadScheduler:
 
     # -- per step ------------------------------------------------------------
 
-    def build_plan(self, scheduled: Iterable[Scheduled], block_ids_of: Callable[[str], Sequence[Sequence[int]]]) -> StepPlan:
+    def build_plan(self, scheduled: Iterable[Scheduled],
+                   block_ids_of: Callable[[str], Sequence[Sequence[int]]]) -> StepPlan:
         """Loads allocated since the last step, and stores of every page this step completes."""
         plan = StepPlan()
         for lease in self._released_next:  # the step that loaded them has run
             lease.release()
         self._released_next = []
-        for st in self.requests.values():
-            if st.pending_loads and st.async_load:  # these wait for their load instead of running
-                plan.async_loads.extend(st.pending_loads)
-                st.pending_loads = []
-        planned: set[bytes] = set()  # two requests completing the same page in one step store it once
+        for waiting in self.requests.values():
+            if waiting.pending_loads and waiting.async_load:  # these wait for their load instead of running
+                plan.async_loads.extend(waiting.pending_loads)
+                waiting.pending_loads = []
+        planned: set[PageKey] = set()  # two requests completing the same page in one step store it once
         allocated = 0  # blocks the engine handed out this step
         for s in scheduled:
             st = self.requests.get(s.req_id)
@@ -299,7 +300,7 @@ class OffloadScheduler:
         while len(self._engine_pages) > self.lazy.cfg.chain_memory:
             self._engine_pages.popitem(last=False)
 
-    def _engine_chains(self, block_hashes: Sequence[bytes]) -> Iterator[tuple[int, list[bytes]]]:
+    def _engine_chains(self, block_hashes: Sequence[bytes]) -> Iterator[tuple[int, list[EngineBlockKey]]]:
         """The engine's block keys of a request's full blocks, per cache group whose blocks sit in the
         free queue (one state per sequence is stored when computed, not lazily)."""
         assert self._engine_key is not None
@@ -307,7 +308,7 @@ class OffloadScheduler:
             if layout.growth is not Growth.PER_SEQUENCE:
                 yield g, [self._engine_key(g, h) for h in block_hashes]
 
-    def _engine_resident(self, engine_hash: bytes) -> bool:
+    def _engine_resident(self, engine_hash: EngineBlockKey) -> bool:
         """Whether lmkv holds the page in an engine block (a block lmkv cannot name counts as held:
         it is never planned)."""
         gc = self._engine_pages.get(engine_hash)
@@ -323,7 +324,7 @@ class OffloadScheduler:
         self.lazy.done(self._inflight, self._pool)
         self.lazy.note_step(allocated)
         self._inflight = self.lazy.plan(self._pool)
-        by_group: dict[tuple[bool, int], tuple[list[bytes], list[int]]] = {}
+        by_group: dict[tuple[bool, int], tuple[list[ChainHash], list[int]]] = {}
         for p in self._inflight:
             g, chain = self._engine_pages[p.block_hash]
             chains, blocks = by_group.setdefault((p.rescue, g), ([], []))
@@ -355,7 +356,7 @@ class OffloadScheduler:
 
     def _store_op(
         self, st: RequestState, g: int, layout: GroupLayout, start: int, end: int,
-        blocks: Sequence[int], planned: set[bytes],
+        blocks: Sequence[int], planned: set[PageKey],
     ) -> PageOp | None:
         keys = st.seq.keys(layout, start, end)
         resident = self.store.contains(keys)

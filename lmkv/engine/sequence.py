@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lmkv.keys import KeySpace, chain_hashes, page_key
+from lmkv.keys import ChainHash, KeySpace, PageKey, chain_hashes, page_key
 from lmkv.layout import GroupLayout
 
 
@@ -28,8 +28,8 @@ class SequenceKeys:
     space: KeySpace
     tokens_per_page: int
     spans: tuple[Span, ...] = ()
-    chains: list[bytes] = field(default_factory=list)
-    _keys: dict[tuple[int, int | None], list[bytes]] = field(default_factory=dict)
+    chains: list[ChainHash] = field(default_factory=list)
+    _keys: dict[tuple[int, int | None], list[PageKey]] = field(default_factory=dict)
 
     def _extras(self, first: int, count: int) -> list[bytes] | None:
         if not self.spans:
@@ -53,7 +53,7 @@ class SequenceKeys:
             self.chains.extend(new)
         return len(self.chains)
 
-    def keys(self, layout: GroupLayout, start: int, end: int) -> list[bytes]:
+    def keys(self, layout: GroupLayout, start: int, end: int) -> list[PageKey]:
         """Keys of pages ``[start, end)`` of one group (pages must be hashed already)."""
         if end > len(self.chains):
             raise ValueError(f"page {end - 1} is not hashed yet ({len(self.chains)} pages)")

@@ -39,10 +39,10 @@ import torch
 
 from lmkv.cuda import KernelLayerBlocks, kernel_layer_blocks, synchronize
 from lmkv.engine.blockcopy import BlockRun, LayerBlocks, as_bytes_array, block_runs
-from lmkv.errors import TierFullError
-from lmkv.keys import page_key
-from lmkv.layout import GroupLayout
 from lmkv.engine.plan import PageOp, StepPlan
+from lmkv.errors import TierFullError
+from lmkv.keys import ChainHash, PageKey, page_key
+from lmkv.layout import GroupLayout
 from lmkv.store import Fetched, StoreSession, TieredStore
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,12 @@ def layer_copier(layer: torch.Tensor, device_visible: Callable[[int, int], bool]
         if k is not None:
             return k
     return LayerBlocks(layer)
+
+
+def _rows_of(layers: Sequence[LayerBlocks | KernelLayerBlocks]) -> list[LayerBlocks] | None:
+    """The layers if each one's blocks are rows of bytes in host memory, else None."""
+    rows = [lb for lb in layers if isinstance(lb, LayerBlocks) and lb.rows is not None]
+    return rows if len(rows) == len(layers) else None
 
 
 @dataclass
@@ -103,7 +109,7 @@ class WorkerStats:
 class _GroupLoad:
     block_ids: list[int]
     future: Future
-    chains: list[bytes]
+    chains: list[ChainHash]
     requests: list[tuple[int, int]]  # (first index, pages) of each request's run in the lists above
     fetched: Fetched | None = None
     ok: list[bool] = field(default_factory=list)
@@ -129,6 +135,8 @@ class LayerwiseTransfer:
         self.store = store
         self.groups = list(groups)
         self.layers = [[layer_copier(t, store.memory.device_visible) for t in group] for group in tensors]
+        #: per group, its layers where every one is plain rows of bytes (the CPU layout): pages load in place
+        self._rows = [_rows_of(layers) for layers in self.layers]
         self._cuda = [t for group in tensors for t in group[:1] if t.device.type == "cuda"]  # a layer per group
         self.layer_names = dict(layer_names)
         for layout, layers in zip(self.groups, self.layers):
@@ -145,17 +153,17 @@ class LayerwiseTransfer:
         self._stores: dict[int, _GroupStore] = {}
         self._session: StoreSession | None = None
         self._errors: set[int] = set()
-        self._failed_chains: list[bytes] = []
+        self._failed_chains: list[ChainHash] = []
         self._failed_lock = threading.Lock()
         self._async: dict[str, Future] = {}  # request -> its background load (True if every page loaded)
         # fetches of a background load's next chunk (a pool of its own: it never waits on the store's)
         self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="lmkv-prefetch")
         self._plan = StepPlan()
-        self._load_keys: list[list[bytes]] = []  # the keys of the step's loads, in the plan's order
+        self._load_keys: list[list[PageKey]] = []  # the keys of the step's loads, in the plan's order
         self._held: list = []
         self.layers_touched = False
 
-    def keys(self, op: PageOp) -> list[bytes]:
+    def keys(self, op: PageOp) -> list[PageKey]:
         """This rank's page keys (a sharded group's keys carry the rank's shard)."""
         layout = self.groups[op.group]
         return [page_key(c, layout) for c in op.chains]
@@ -171,7 +179,7 @@ class LayerwiseTransfer:
         # Hold this step's memory-resident pages before reserving room for its stores, which may evict.
         self._load_keys = [self.keys(op) for op in plan.loads]
         self._held = [self.store.memory.borrow(keys, count=False) for keys in self._load_keys]
-        by_group: dict[int, tuple[list[bytes], list[int], list[bool]]] = {}
+        by_group: dict[int, tuple[list[PageKey], list[int], list[bool]]] = {}
         for op, now in [(op, False) for op in plan.stores] + [(op, True) for op in plan.rescues]:
             if not self.groups[op.group].is_writer:
                 continue  # a replicated group: the first rank of the replica set writes for all of them
@@ -207,7 +215,7 @@ class LayerwiseTransfer:
             self._stores[g] = _GroupStore(block_runs([b for b, _ in later], [p for _, p in later]))
 
     def start_loads(self) -> None:
-        by_group: dict[int, tuple[list[bytes], list[int], list[bytes], list[tuple[int, int]]]] = {}
+        by_group: dict[int, tuple[list[PageKey], list[int], list[ChainHash], list[tuple[int, int]]]] = {}
         for op, op_keys in zip(self._plan.loads, self._load_keys):
             keys, blocks, chains, runs = by_group.setdefault(op.group, ([], [], [], []))
             runs.append((len(keys), len(op.chains)))
@@ -227,30 +235,37 @@ class LayerwiseTransfer:
 
     def _load_in_background(self, ops: list[PageOp]) -> bool:
         """Load every layer of a waiting request's pages; whether all of them loaded (a request
-        whose load fails is recomputed whole).
-
-        Where the engine's blocks are plain rows of bytes (its CPU layout), pages are read straight
-        into them (:meth:`TieredStore.get_units`: from the arena, or from a buffered disk tier with
-        one read per page). Otherwise pages are fetched in chunks, the next chunk's reads running
-        while this chunk is copied into the blocks, so the request waits for roughly the reads alone.
-        """
+        whose load fails is recomputed whole). Groups whose blocks are plain rows of bytes load in
+        place, the others through host pages."""
         ok = True
-        staged = []
         for op in ops:
-            layers = self.layers[op.group]
-            if all(layer.rows is not None for layer in layers):  # (block sizes were checked at registration)
-                layout = self.groups[op.group]
-                units = [[u for layer in layers for u in layer.units(b, layout.segments)] for b in op.block_ids]
-                got = self.store.get_units(self.keys(op), layout, units)
-                ok = self._landed(op, 0, [h is not None for h in got]) and ok
-            else:
-                staged.append(op)
-        chunks = [(op, i) for op in staged for i in range(0, len(op.chains), LOAD_CHUNK_PAGES)]
-        keys = {id(op): self.keys(op) for op in staged}
+            rows = self._rows[op.group]
+            if rows is not None:
+                ok = self._load_in_place(op, rows) and ok
+        ok = self._load_staged([op for op in ops if self._rows[op.group] is None]) and ok
+        if not ok:
+            self.stats.add(recomputed_tokens=max(len(op.chains) * self.groups[op.group].tokens_per_page for op in ops))
+        return ok
+
+    def _load_in_place(self, op: PageOp, rows: list[LayerBlocks]) -> bool:
+        """Pages read straight into the blocks' rows (:meth:`TieredStore.get_units`: copied from the
+        arena, or read from a buffered disk tier with one read per page)."""
+        layout = self.groups[op.group]
+        units = [[u for layer in rows for u in layer.units(b, layout.segments)] for b in op.block_ids]
+        got = self.store.get_units(self.keys(op), layout, units)
+        return self._landed(op, 0, [h is not None for h in got])
+
+    def _load_staged(self, ops: list[PageOp]) -> bool:
+        """Pages fetched in chunks and scattered into their blocks, the next chunk's reads running
+        while this chunk is copied in, so the request waits for roughly the reads alone."""
+        ok = True
+        chunks = [(op, i) for op in ops for i in range(0, len(op.chains), LOAD_CHUNK_PAGES)]
+        keys = {id(op): self.keys(op) for op in ops}
 
         def fetch(k: int) -> Future:
             op, i = chunks[k]
-            return self._prefetch.submit(self.store.fetch, keys[id(op)][i : i + LOAD_CHUNK_PAGES], self.groups[op.group])
+            chunk = keys[id(op)][i : i + LOAD_CHUNK_PAGES]
+            return self._prefetch.submit(self.store.fetch, chunk, self.groups[op.group])
 
         nxt = fetch(0) if chunks else None
         try:
@@ -265,8 +280,6 @@ class LayerwiseTransfer:
                 except Exception:
                     pass
             raise
-        if not ok:
-            self.stats.add(recomputed_tokens=max(len(op.chains) * self.groups[op.group].tokens_per_page for op in ops))
         return ok
 
     def _copy_chunk(self, op: PageOp, i: int, fetched: Fetched) -> bool:
@@ -316,21 +329,30 @@ class LayerwiseTransfer:
                 failed.add(rid)
         return done, failed
 
-    def take_failed_chains(self) -> list[bytes]:
+    def take_failed_chains(self) -> list[ChainHash]:
         with self._failed_lock:
             out, self._failed_chains = self._failed_chains, []
         return out
 
     def _ready(self, g: int) -> _GroupLoad | None:
+        """Group ``g``'s layerwise load of this step with its pages fetched (None: it has none)."""
         load = self._loads.get(g)
-        if load is None or load.fetched is not None:
-            return load
+        if load is not None:
+            self._fetched(g, load)
+        return load
+
+    def _fetched(self, g: int, load: _GroupLoad) -> Fetched:
+        """A load's fetched pages, waited for and accounted once: the blocks of pages that failed are
+        load errors (the engine recomputes them), their chains are quarantined."""
+        if load.fetched is not None:
+            return load.fetched
         try:
-            load.fetched = load.future.result()
+            fetched = load.future.result()
         except Exception:  # a failing tier must cost a recompute, never the engine
             log.exception("lmkv: fetch failed; recomputing")
-            load.fetched = Fetched([None] * len(load.block_ids), [None] * len(load.block_ids), [])
-        views = load.fetched.views
+            fetched = Fetched([None] * len(load.block_ids), [None] * len(load.block_ids), [])
+        load.fetched = fetched
+        views = fetched.views
         load.ok = [v is not None for v in views]
         pages = [as_bytes_array(v) for v in views if v is not None]
         load.runs = block_runs([b for b, ok in zip(load.block_ids, load.ok) if ok], pages)
@@ -350,7 +372,7 @@ class LayerwiseTransfer:
             loaded_pages=len(pages),
             loaded_bytes=len(pages) * self.groups[g].payload_bytes,
         )
-        return load
+        return fetched
 
     def _scatter(self, g: int, layer: int) -> None:
         load = self._ready(g)
@@ -386,14 +408,14 @@ class LayerwiseTransfer:
                 for layer in range(self.groups[g].num_layers):
                     self._gather(g, layer)
         for g, load in self._loads.items():
-            self._ready(g)
+            self._fetched(g, load)
             if len(load.done_layers) < self.groups[g].num_layers:
                 # The forward ran without (some of) these layers loaded: recompute those tokens.
                 self._errors.update(load.block_ids)
         if copied:
             self._sync()  # the GPU's queued copies have read and written the host pages
-        for load in self._loads.values():
-            load.fetched.release()
+        for g, load in self._loads.items():
+            self._fetched(g, load).release()
         self._loads = {}
         self._release_held()
         if self._session is not None:
@@ -434,6 +456,6 @@ class LayerwiseTransfer:
         if self._session is not None:
             self._session.abort()
             self._session = None
-        for g in list(self._loads):
-            self._ready(g).fetched.release()
+        for g, load in self._loads.items():
+            self._fetched(g, load).release()
         self._loads, self._stores = {}, {}

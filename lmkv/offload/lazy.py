@@ -71,19 +71,20 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from lmkv.config import OffloadConfig
+from lmkv.keys import EngineBlockKey
 from lmkv.offload.reuse import ReuseModel
 
 
 class FreeQueue(Protocol):
     """What the policy needs from an engine's block pool."""
 
-    def iter_free(self) -> Iterator[tuple[int, bytes | None]]:
+    def iter_free(self) -> Iterator[tuple[int, EngineBlockKey | None]]:
         """Free blocks in eviction order (next to be reused first): (block id, hash or None)."""
 
-    def cached_block(self, block_hash: bytes) -> int | None:
+    def cached_block(self, block_hash: EngineBlockKey) -> int | None:
         """The block that holds ``block_hash`` in the engine's cache, if any."""
 
-    def block_hash(self, block_id: int) -> bytes | None: ...
+    def block_hash(self, block_id: int) -> EngineBlockKey | None: ...
 
     def held(self, block_id: int) -> bool:
         """Whether a running request holds the block (it is out of the free queue)."""
@@ -95,7 +96,7 @@ class FreeQueue(Protocol):
         """Let these blocks be reused again, in this order; ``first``: before every other free block
         (their bytes are in lmkv now), else after them (as if freed just now)."""
 
-    def take_reused(self) -> list[tuple[int, bytes]]:
+    def take_reused(self) -> list[tuple[int, EngineBlockKey]]:
         """Cached blocks the engine handed out since the last call, each with the hash it held, in
         order. Their bytes stay as they were until the step's forward writes them, so a copy made
         before that forward is not stale."""
@@ -133,7 +134,7 @@ class Pick:
     """A block chosen for a copy, with its hash as it was when chosen (the snapshot)."""
 
     block_id: int
-    block_hash: bytes
+    block_hash: EngineBlockKey
     due: bool = True  # about to be reused, or an ancestor copied for one (not a lookahead pick or an early copy)
     rescue: bool = False  # handed out this step: copied before the step's forward, never protected or released
 
@@ -152,12 +153,12 @@ class LazyStats:
 class LazyOffload:
     """Plans, step by step, which cached blocks in the free queue to copy before they are reused."""
 
-    def __init__(self, cfg: OffloadConfig, page_bytes: int, in_tier: Callable[[bytes], bool]) -> None:
+    def __init__(self, cfg: OffloadConfig, page_bytes: int, in_tier: Callable[[EngineBlockKey], bool]) -> None:
         self.cfg = cfg
         #: a declared link budget: keep the link busy with early copies (see OffloadConfig)
-        self.link_bound = cfg.link_bytes_per_step is not None
-        self.budget = CopyBudget(
-            int(cfg.link_bytes_per_step if self.link_bound else cfg.drain_bytes_per_step), page_bytes)
+        link = cfg.link_bytes_per_step
+        self.link_bound = link is not None
+        self.budget = CopyBudget(int(link if link is not None else cfg.drain_bytes_per_step), page_bytes)
         self.in_tier = in_tier
         self.alloc_ema = 0.0
         #: with a declared link: the most blocks one step took lately, and the most cached ones among them
@@ -166,19 +167,19 @@ class LazyOffload:
         self.burst = 0.0
         self.burst_evicted = 0.0
         self._binding = 0.0  # how often the drain cap has been binding lately (EMA of 0/1)
-        self.inflight: dict[bytes, int] = {}  # hash -> protected block id
-        self._parent: OrderedDict[bytes, bytes | None] = OrderedDict()
+        self.inflight: dict[EngineBlockKey, int] = {}  # hash -> protected block id
+        self._parent: OrderedDict[EngineBlockKey, EngineBlockKey | None] = OrderedDict()
         self.reuse = ReuseModel(remembered=max(1, cfg.chain_memory // 16))
         #: without a declared link, bytes are the cost: blocks unlikely to be needed are not copied
         #: (with one, the link's time is spent anyway, on the blocks nearest eviction)
         self.estimating = not self.link_bound and cfg.min_need_rate > 0
         self._step = 0
-        self._fresh: deque[bytes] = deque(maxlen=cfg.chain_memory)  # computed blocks, oldest first
+        self._fresh: deque[EngineBlockKey] = deque(maxlen=cfg.chain_memory)  # computed blocks, oldest first
         self.stats = LazyStats()
 
     # -- what the engine tells the policy ---------------------------------------
 
-    def note_chain(self, hashes: Sequence[bytes], used: bool = True, cached: int = 0) -> None:
+    def note_chain(self, hashes: Sequence[EngineBlockKey], used: bool = True, cached: int = 0) -> None:
         """A request's chain of block hashes, first page first: parent links, and (``used``: a request
         was admitted with it, the engine holding its first ``cached`` pages) what the request shows
         about reuse (:class:`lmkv.offload.reuse.ReuseModel`)."""
@@ -190,15 +191,15 @@ class LazyOffload:
         else:
             self.reuse.touch(hashes, self._step)
 
-    def note_finished(self, hashes: Sequence[bytes]) -> None:
+    def note_finished(self, hashes: Sequence[EngineBlockKey]) -> None:
         """A request finished with this chain (the pages its answer filled included)."""
         if hashes:
             self._link(hashes)
             self.reuse.finish(hashes, self._step)
 
-    def _link(self, hashes: Sequence[bytes]) -> None:
+    def _link(self, hashes: Sequence[EngineBlockKey]) -> None:
         """Remember each page's parent (for prefix closure), the least recently seen forgotten first."""
-        prev: bytes | None = None
+        prev: EngineBlockKey | None = None
         cap = self.cfg.chain_memory
         for h in hashes:
             if h in self._parent:
@@ -211,12 +212,12 @@ class LazyOffload:
                     self.reuse.forget(old)
             prev = h
 
-    def note_computed(self, hashes: Sequence[bytes]) -> None:
+    def note_computed(self, hashes: Sequence[EngineBlockKey]) -> None:
         """Blocks the engine just computed (candidates for early copies on a declared link)."""
         if self.link_bound:
             self._fresh.extend(hashes)
 
-    def _one_shot(self, h: bytes) -> bool:
+    def _one_shot(self, h: EngineBlockKey) -> bool:
         """Whether ``h``'s family almost never repeats what came before (one-shot prompts)."""
         return self.reuse.one_shot(h, self.cfg.min_family_requests, self.cfg.min_reuse_rate)
 
@@ -232,13 +233,13 @@ class LazyOffload:
 
     # -- planning ----------------------------------------------------------------
 
-    def _closure(self, h: bytes, pool: FreeQueue, chosen: set[bytes],
-                 gone: dict[bytes, int] | None = None) -> list[Pick] | None:
+    def _closure(self, h: EngineBlockKey, pool: FreeQueue, chosen: set[EngineBlockKey],
+                 gone: dict[EngineBlockKey, int] | None = None) -> list[Pick] | None:
         """``h`` and its cached ancestors lmkv lacks, up to one a running request holds, oldest first;
         None if the chain is broken. ``gone``: blocks handed out this step (hash -> block id), whose
         bytes are still there until the step's forward: they are rescued."""
         out: list[Pick] = []
-        cur: bytes | None = h
+        cur: EngineBlockKey | None = h
         while cur is not None and not (self.in_tier(cur) or cur in self.inflight or cur in chosen):
             bid = pool.cached_block(cur)
             if bid is not None:
@@ -268,7 +269,7 @@ class LazyOffload:
         if budget == 0:
             return []  # a link slower than a page a step: this step's share is carried over
         picks: list[Pick] = []
-        chosen: set[bytes] = set()
+        chosen: set[EngineBlockKey] = set()
         if not self.link_bound:  # (a declared link is busy: a copy before the forward would stall it)
             self._add(picks, chosen, budget, pool, self._rescues(reused, pool), {h: b for b, h in reused})
         # When the cap has been binding, look further ahead: copies must start earlier to finish in time.
@@ -288,14 +289,15 @@ class LazyOffload:
             self.stats.rescued += sum(p.rescue for p in picks)
         return picks
 
-    def _rescues(self, reused: list[tuple[int, bytes]], pool: FreeQueue) -> Iterator[tuple[bytes, bool]]:
+    def _rescues(self, reused: list[tuple[int, EngineBlockKey]],
+                 pool: FreeQueue) -> Iterator[tuple[EngineBlockKey, bool]]:
         """The blocks handed out this step worth copying (judged as a due block would be)."""
         for _, h in reused:
             # (a page cached again in another block: a request allocated the same page, not computed yet)
             if pool.cached_block(h) is None and self._worth(h):
                 yield h, True
 
-    def _worth(self, h: bytes) -> bool:
+    def _worth(self, h: EngineBlockKey) -> bool:
         """Whether a block about to be lost is worth its copy: lmkv lacks it, no copy of it is in flight,
         its family repeats itself, and (without a declared link) blocks like it were needed often enough."""
         if self.in_tier(h) or h in self.inflight or self._one_shot(h):
@@ -305,8 +307,8 @@ class LazyOffload:
             return False
         return True
 
-    def _add(self, picks: list[Pick], chosen: set[bytes], budget: int, pool: FreeQueue,
-             wanted: Iterator[tuple[bytes, bool]], gone: dict[bytes, int] | None) -> None:
+    def _add(self, picks: list[Pick], chosen: set[EngineBlockKey], budget: int, pool: FreeQueue,
+             wanted: Iterator[tuple[EngineBlockKey, bool]], gone: dict[EngineBlockKey, int] | None) -> None:
         """Plan ``wanted`` blocks with their prefix closure, in order, until the budget is spent."""
         for h, due in wanted:
             if h in chosen:
@@ -331,15 +333,15 @@ class LazyOffload:
             if len(picks) >= budget:
                 return
 
-    def _with_lineage(self, h: bytes) -> bytes:
+    def _with_lineage(self, h: EngineBlockKey) -> EngineBlockKey:
         """``h``, or if it is in no lineage (decoding filled it: it is its chain's first block to be
         evicted and, through prefix closure, decides for the whole chain) its nearest ancestor that is."""
-        cur: bytes | None = h
+        cur: EngineBlockKey | None = h
         while cur is not None and not self.reuse.in_lineage(cur):
             cur = self._parent.get(cur)
         return h if cur is None else cur
 
-    def _unlikely(self, h: bytes) -> bool:
+    def _unlikely(self, h: EngineBlockKey) -> bool:
         """Whether blocks like ``h`` were seldom needed again, or its agent-like session has likely
         ended (asked only when the first does not already say so: it walks to a lineage)."""
         rate = self.cfg.min_need_rate
@@ -353,7 +355,7 @@ class LazyOffload:
         cont = self.reuse.continued(h, at)
         return cont is not None and cont < rate
 
-    def _zone(self, pool: FreeQueue, depth: int, due_depth: int) -> Iterator[tuple[bytes, bool]]:
+    def _zone(self, pool: FreeQueue, depth: int, due_depth: int) -> Iterator[tuple[EngineBlockKey, bool]]:
         """Blocks worth copying within ``depth`` of the queue's head (with a declared link, also the cached
         blocks a burst like the largest lately would take), nearest first, each with whether it is due or
         only looked ahead at. A generator: the walk stops where the step's copies are planned, so a deep
@@ -372,7 +374,7 @@ class LazyOffload:
             if self._worth(h):
                 yield h, i < due_depth or in_burst
 
-    def _fill(self, pool: FreeQueue, picks: list[Pick], chosen: set[bytes], budget: int) -> None:
+    def _fill(self, pool: FreeQueue, picks: list[Pick], chosen: set[EngineBlockKey], budget: int) -> None:
         """The link is the bottleneck: the budget the danger zone leaves this step goes to the oldest
         freshly computed blocks, as eager would copy them, skipping one-shot families; copies made
         now are blocks the zone will not have to rush later."""

@@ -39,6 +39,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lmkv.keys import EngineBlockKey
+
 #: use counts told apart by the estimate (this many and more share a row)
 MAX_USES = 4
 #: lineage kinds: one request so far, requests that extend the previous one, or branch off it
@@ -59,6 +61,9 @@ MIN_EVIDENCE = 4
 
 Class = tuple[int, int, int]  # (uses row, lineage kind, idle bucket)
 
+#: no block has an empty key: what a lookup of a block's family or lineage falls back to
+_NO_BLOCK = EngineBlockKey(b"")
+
 
 def _gap_bucket(idle: int) -> int:
     return min(GAP_BUCKETS - 1, max(0, idle).bit_length())
@@ -71,7 +76,7 @@ def idle_bucket(idle: int) -> int:
 
 @dataclass
 class Family:
-    shared: list[bytes]  # the pages every request of the family began with so far
+    shared: list[EngineBlockKey]  # the pages every request of the family began with so far
     requests: int = 0
     repeats: int = 0  # requests most of whose pages were used before
 
@@ -79,7 +84,7 @@ class Family:
 @dataclass
 class Lineage:
     requests: int = 0
-    leaf: bytes | None = None  # the latest request's last page (once it finished: its answer's)
+    leaf: EngineBlockKey | None = None  # the latest request's last page (once it finished: its answer's)
     extends: int = 0
     branches: int = 0
     last_seen: int = 0  # the step a request of the lineage was last admitted or finished
@@ -100,12 +105,13 @@ class ReuseModel:
     def __init__(self, remembered: int) -> None:
         """``remembered``: how many families and how many lineages are kept (the least recently
         seen are forgotten)."""
-        self.uses: dict[bytes, int] = {}
-        self._touched: dict[bytes, int] = {}  # block -> the step a request last used it
-        self._root: dict[bytes, bytes] = {}  # block -> the first page of its chain (its family)
-        self._families: OrderedDict[bytes, Family] = OrderedDict()
-        self._lineage_of: dict[bytes, bytes] = {}  # block past its family's shared pages -> its lineage
-        self._lineages: OrderedDict[bytes, Lineage] = OrderedDict()
+        self.uses: dict[EngineBlockKey, int] = {}
+        self._touched: dict[EngineBlockKey, int] = {}  # block -> the step a request last used it
+        self._root: dict[EngineBlockKey, EngineBlockKey] = {}  # block -> the first page of its chain (its family)
+        self._families: OrderedDict[EngineBlockKey, Family] = OrderedDict()
+        #: block past its family's shared pages -> its lineage
+        self._lineage_of: dict[EngineBlockKey, EngineBlockKey] = {}
+        self._lineages: OrderedDict[EngineBlockKey, Lineage] = OrderedDict()
         self._remembered = remembered
         self.needed: Counter[Class] = Counter()
         self.not_needed: Counter[Class] = Counter()
@@ -113,37 +119,38 @@ class ReuseModel:
         #: call, a document's next question maybe much later: one horizon would settle the
         #: agents' misses only as late as the documents' successes)
         self.horizon: dict[Class, int] = {}
-        self._watch: dict[Class, OrderedDict[bytes, int]] = {}  # per class: block -> step watched, oldest first
-        self._watched: dict[bytes, Class] = {}
-        self._missed: OrderedDict[bytes, tuple[Class, int]] = OrderedDict()
-        self._sources: dict[Class, set[bytes]] = {}  # per class: lineages settled (up to MIN_EVIDENCE)
+        #: per class: block -> step watched, oldest first
+        self._watch: dict[Class, OrderedDict[EngineBlockKey, int]] = {}
+        self._watched: dict[EngineBlockKey, Class] = {}
+        self._missed: OrderedDict[EngineBlockKey, tuple[Class, int]] = OrderedDict()
+        self._sources: dict[Class, set[EngineBlockKey]] = {}  # per class: lineages settled (up to MIN_EVIDENCE)
         #: extending lineages (agent-like sessions), by idle time in powers of two: how many sessions
         #: have been idle that long (``_reached``: counted as each crosses into a bucket, whether it
         #: returns later or not) and how many of them came back after such a gap (``_gaps``); the
         #: sessions waiting for a next request, per the bucket their idle time is in now (oldest first)
         self._gaps = [0] * GAP_BUCKETS
         self._reached = [0] * GAP_BUCKETS
-        self._idle: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(GAP_BUCKETS)]
-        self._bucket: dict[bytes, int] = {}  # waiting lineage -> its bucket
+        self._idle: list[OrderedDict[EngineBlockKey, int]] = [OrderedDict() for _ in range(GAP_BUCKETS)]
+        self._bucket: dict[EngineBlockKey, int] = {}  # waiting lineage -> its bucket
         #: lineages' next requests, by the lineage's kind before them: did it continue the latest one?
         self._next: Counter[tuple[int, bool]] = Counter()
 
     # -- what requests show --------------------------------------------------
 
-    def note_block(self, h: bytes, root: bytes) -> None:
+    def note_block(self, h: EngineBlockKey, root: EngineBlockKey) -> None:
         """A block seen for the first time, in the family that starts with ``root``."""
         self._root[h] = root
 
-    def forget(self, h: bytes) -> None:
+    def forget(self, h: EngineBlockKey) -> None:
         for table in (self.uses, self._touched, self._root, self._lineage_of):
             table.pop(h, None)
 
-    def touch(self, hashes: Sequence[bytes], step: int) -> None:
+    def touch(self, hashes: Sequence[EngineBlockKey], step: int) -> None:
         """A request is using these blocks now (running)."""
         for h in hashes:
             self._touched[h] = step
 
-    def finish(self, hashes: Sequence[bytes], step: int) -> None:
+    def finish(self, hashes: Sequence[EngineBlockKey], step: int) -> None:
         """A request finished with this chain (its answer's pages included): if it is its lineage's
         latest, the lineage's leaf is its answer's last page (an agent's next turn continues it, another
         question on a document does not) and the lineage waits for its next request from now."""
@@ -158,10 +165,10 @@ class ReuseModel:
                     self._wait(key, lin, step)
                 return
 
-    def in_lineage(self, h: bytes) -> bool:
+    def in_lineage(self, h: EngineBlockKey) -> bool:
         return h in self._lineage_of
 
-    def note_request(self, hashes: Sequence[bytes], cached: int, step: int) -> None:
+    def note_request(self, hashes: Sequence[EngineBlockKey], cached: int, step: int) -> None:
         """A request was admitted with this chain, the engine holding its first ``cached`` pages."""
         seen = 0
         for i, h in enumerate(hashes):
@@ -180,7 +187,7 @@ class ReuseModel:
         fam.repeats += seen >= 0.5 * len(hashes)
         self._note_lineage(fam, hashes, step)
 
-    def _note_lineage(self, fam: Family, hashes: Sequence[bytes], step: int) -> None:
+    def _note_lineage(self, fam: Family, hashes: Sequence[EngineBlockKey], step: int) -> None:
         n = 0
         while n < len(fam.shared) and n < len(hashes) and fam.shared[n] == hashes[n]:
             n += 1
@@ -216,12 +223,12 @@ class ReuseModel:
 
     # -- whether an agent-like session gets another turn -----------------------
 
-    def _stop_waiting(self, key: bytes) -> None:
+    def _stop_waiting(self, key: EngineBlockKey) -> None:
         b = self._bucket.pop(key, None)
         if b is not None:
             del self._idle[b][key]
 
-    def _wait(self, key: bytes, lin: Lineage, step: int) -> None:
+    def _wait(self, key: EngineBlockKey, lin: Lineage, step: int) -> None:
         """The lineage's latest request finished at ``step``: if the lineage extends, wait for its next."""
         lin.last_seen = step
         self._stop_waiting(key)
@@ -230,7 +237,7 @@ class ReuseModel:
             self._idle[0][key] = step
             self._reached[0] += 1
 
-    def _returned(self, key: bytes, lin: Lineage, step: int) -> None:
+    def _returned(self, key: EngineBlockKey, lin: Lineage, step: int) -> None:
         """The lineage's next request arrived: one more session came back after its gap."""
         b = self._bucket.get(key)
         if b is None:
@@ -240,7 +247,7 @@ class ReuseModel:
             self._reached[j] += 1
         self._gaps[gap] += 1
 
-    def another_turn(self, h: bytes, step: int) -> float | None:
+    def another_turn(self, h: EngineBlockKey, step: int) -> float | None:
         """For a block of an extending lineage (an agent-like session), the chance of another request,
         given how long the lineage has been idle: of the sessions seen idle that long, how many came
         back. A session still waiting counts as not (yet) back, so the estimate knows as soon as
@@ -248,7 +255,7 @@ class ReuseModel:
         learned from every request, not only from blocks near eviction. None for other blocks, and
         before there is evidence. (Documents' questions come at irregular times: the same estimate on
         branching lineages cut bytes by a tenth but recomputed 1-4% more tokens, measured.)"""
-        lin = self._lineages.get(self._lineage_of.get(h, b""))
+        lin = self._lineages.get(self._lineage_of.get(h, _NO_BLOCK))
         if lin is None or lin.kind != EXTENDS:
             return None
         b = _gap_bucket(step - lin.last_seen)
@@ -261,38 +268,38 @@ class ReuseModel:
             seen -= 1
         return (sum(self._gaps[b:]) + 1) / (self._reached[seen] + 2)
 
-    def continued(self, h: bytes, lineage_block: bytes) -> float | None:
+    def continued(self, h: EngineBlockKey, lineage_block: EngineBlockKey) -> float | None:
         """For a block only one request used (a question's tail, an answer) in a lineage that branched
         before (``lineage_block``: ``h`` or its nearest ancestor in a lineage): the chance the lineage's
         next request continues it, from every such lineage's next requests. A document's next question
         leaves the previous one's tail: copying the tail would copy the document's whole body with it
         (prefix closure), a body the engine may still be holding for that next question."""
-        lin = self._lineages.get(self._lineage_of.get(lineage_block, b""))
+        lin = self._lineages.get(self._lineage_of.get(lineage_block, _NO_BLOCK))
         if lin is None or lin.kind != BRANCHES or self.uses.get(h, 0) > 1:
             return None
         yes, n = self._next[BRANCHES, True], self._next[BRANCHES, True] + self._next[BRANCHES, False]
         return None if n < MIN_EVIDENCE else (yes + 1) / (n + 2)
 
-    def _add_lineage(self, key: bytes, lin: Lineage) -> Lineage:
+    def _add_lineage(self, key: EngineBlockKey, lin: Lineage) -> Lineage:
         self._lineages[key] = lin
         if len(self._lineages) > self._remembered:  # the least recently seen: no longer waited for
             old, _ = self._lineages.popitem(last=False)
             self._stop_waiting(old)
         return lin
 
-    def one_shot(self, h: bytes, min_requests: int, min_rate: float) -> bool:
+    def one_shot(self, h: EngineBlockKey, min_requests: int, min_rate: float) -> bool:
         """Whether ``h``'s family, after ``min_requests`` requests, repeats less often than ``min_rate``."""
-        fam = self._families.get(self._root.get(h, b""))
+        fam = self._families.get(self._root.get(h, _NO_BLOCK))
         return fam is not None and fam.requests >= min_requests and fam.repeats < min_rate * fam.requests
 
     # -- the estimate ----------------------------------------------------------
 
-    def _class(self, h: bytes, step: int) -> Class:
-        lin = self._lineages.get(self._lineage_of.get(h, b""))
+    def _class(self, h: EngineBlockKey, step: int) -> Class:
+        lin = self._lineages.get(self._lineage_of.get(h, _NO_BLOCK))
         return (min(self.uses.get(h, 0), MAX_USES), SINGLE if lin is None else lin.kind,
                 idle_bucket(step - self._touched.get(h, step)))
 
-    def watch(self, h: bytes, step: int) -> float | None:
+    def watch(self, h: EngineBlockKey, step: int) -> float | None:
         """Start watching a block near eviction; the chance it will be needed from a tier, or None
         while blocks like it have too few settled outcomes to tell."""
         c = self._watched.get(h)
@@ -311,14 +318,14 @@ class ReuseModel:
             return None
         return (needed + 1) / (n + 2)
 
-    def _settled(self, c: Class, h: bytes) -> None:
+    def _settled(self, c: Class, h: EngineBlockKey) -> None:
         """Count ``h``'s lineage (or ``h``, in none) among the class's sources of evidence: a document's
         body settles 100 blocks at once, one observation of whether its document is asked again."""
         sources = self._sources.setdefault(c, set())
         if len(sources) < MIN_EVIDENCE:
             sources.add(self._lineage_of.get(h, h))
 
-    def _outcome(self, h: bytes, step: int, needed: bool) -> None:
+    def _outcome(self, h: EngineBlockKey, step: int, needed: bool) -> None:
         c = self._watched.pop(h, None)
         if c is not None:
             since = self._watch[c].pop(h)
@@ -336,7 +343,7 @@ class ReuseModel:
             self.not_needed[c] += 1
         self._settled(c, h)
 
-    def _settle_one(self, c: Class, fifo: OrderedDict[bytes, int]) -> None:
+    def _settle_one(self, c: Class, fifo: OrderedDict[EngineBlockKey, int]) -> None:
         h, since = fifo.popitem(last=False)
         del self._watched[h]
         self.not_needed[c] += 1

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lmkv.config import OffloadConfig
+from lmkv.keys import EngineBlockKey
 from lmkv.offload.lazy import CopyBudget, LazyOffload, Pick
 from lmkv.offload.traces import TraceRequest
 
@@ -105,12 +106,13 @@ class _Run:
         self.pool = self.mgr.block_pool
         self.queue = VllmFreeQueue(self.pool)
         self.key = lambda h: make_block_hash_with_group_id(h, 0)  # noqa: E731
-        self.tier: set[bytes] = set()
-        self.written_live: set[bytes] = set()  # written and not evicted since: a HBM hit on one is a wasted write
-        self.evicted_unwritten: set[bytes] = set()
-        self.evicted: set[bytes] = set()
-        self.pending: deque[bytes] = deque()  # eager copies not yet done
-        self.handed_out: dict[int, bytes] = {}  # cached blocks this step's allocations took: id -> hash
+        self.tier: set[EngineBlockKey] = set()
+        #: written and not evicted since: a HBM hit on one is a wasted write
+        self.written_live: set[EngineBlockKey] = set()
+        self.evicted_unwritten: set[EngineBlockKey] = set()
+        self.evicted: set[EngineBlockKey] = set()
+        self.pending: deque[EngineBlockKey] = deque()  # eager copies not yet done
+        self.handed_out: dict[int, EngineBlockKey] = {}  # cached blocks this step's allocations took: id -> hash
         #: eager's copies through the simulated link (lazy declares it to its policy, which keeps it)
         self.link = None if cfg.d2h_bytes_per_step is None else CopyBudget(cfg.d2h_bytes_per_step, cfg.page_bytes)
         lazy_cfg = cfg.lazy
@@ -164,7 +166,7 @@ class _Run:
     def admit(self, step: int) -> list:
         bs = self.cfg.block_size
         budget = self.cfg.step_tokens
-        admitted = []
+        admitted: list = []
         while self.waiting and len(self.running) + len(admitted) < self.cfg.max_running:
             req = self.waiting[0]
             blocks, hbm_tokens, *_ = self.mgr.get_computed_blocks(req)
@@ -254,7 +256,7 @@ class _Run:
 
     # -- copies ----------------------------------------------------------------
 
-    def write(self, h: bytes, evicted: bool = False) -> None:
+    def write(self, h: EngineBlockKey, evicted: bool = False) -> None:
         self.tier.add(h)
         if not evicted:
             self.written_live.add(h)
@@ -329,7 +331,7 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig, policy: str) -> SimResul
 
 def distinct_blocks(trace: list[TraceRequest], block_size: int) -> int:
     """Full blocks of distinct content in a trace (prefixes shared by requests count once)."""
-    seen: set[bytes] = set()
+    seen: set[EngineBlockKey] = set()
     for r in trace:
         req = make_request(r.id, r.prompt + r.output, 1, block_size)
         seen.update(req.block_hashes)

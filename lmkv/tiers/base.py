@@ -13,11 +13,14 @@ reason and drops a page it found corrupt so it is never served.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from lmkv.domains import DomainRegistry
+from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, make_header
 
@@ -46,9 +49,9 @@ class ResidencyListener(Protocol):
     (:class:`lmkv.engine.residency.ResidencyLog`); a call must not block or call back into the tier.
     """
 
-    def added(self, key: bytes) -> None: ...
+    def added(self, key: PageKey) -> None: ...
 
-    def removed(self, key: bytes) -> None: ...
+    def removed(self, key: PageKey) -> None: ...
 
 
 class WriteSession(ABC):
@@ -58,7 +61,7 @@ class WriteSession(ABC):
     the ``with`` block by an exception) releases every reservation and leaves no trace.
     """
 
-    def __init__(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout]) -> None:
+    def __init__(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout]) -> None:
         if len(keys) != len(layouts):
             raise ValueError("one layout per key")
         self.keys = list(keys)
@@ -114,14 +117,14 @@ class Tier(ABC):
         self.stats = TierStats()
 
     @abstractmethod
-    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]: ...
 
     @abstractmethod
-    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+    def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         """Read whole payloads into ``outs``; ``None`` for a page that is missing or failed."""
 
     @abstractmethod
-    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+    def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         """Read byte ranges (whole units of the layout) into ``out`` at their page offsets."""
 
     @abstractmethod
@@ -129,10 +132,10 @@ class Tier(ABC):
         """Store pages whose header is already made; per page, whether it is now resident."""
 
     @abstractmethod
-    def delete(self, keys: Sequence[bytes]) -> int: ...
+    def delete(self, keys: Sequence[PageKey]) -> int: ...
 
     @abstractmethod
-    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> WriteSession: ...
+    def open_session(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> WriteSession: ...
 
     @abstractmethod
     def clear(self, domain: str) -> int:
@@ -149,7 +152,7 @@ class Tier(ABC):
     @abstractmethod
     def __len__(self) -> int: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: most tiers have nothing to release)
         """Release resources; the default has none."""
 
 
@@ -166,7 +169,7 @@ class ReadsInPlace(ABC):
     def reads_in_place(self) -> bool: ...
 
     @abstractmethod
-    def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
+    def get_units(self, keys: Sequence[PageKey], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
         """Read page ``i``'s unit ``u`` into ``units[i][u]``; ``None`` where a page is missing or failed
         (its buffers may then hold anything)."""
 
@@ -176,14 +179,23 @@ def in_place_reader(tier: Tier) -> ReadsInPlace | None:
     return tier if isinstance(tier, ReadsInPlace) and tier.reads_in_place else None
 
 
+class _Owned(Protocol):
+    domains: int  # a bit per residency domain (:class:`lmkv.domains.DomainRegistry`)
+
+
 class LocalTier(Tier):
     """A tier whose index lives in this process (memory, disk): the bookkeeping they share.
 
-    Subclasses keep ``_index`` (key -> entry with a ``domains`` bit set), ``_domains``,
-    ``_used`` and ``_lock``, and a config with ``capacity``.
+    Subclasses fill in the index (key -> entry with a ``domains`` bit set), the domain registry,
+    the bytes used and the lock.
     """
 
-    def owners(self, key: bytes) -> list[str]:
+    _index: Mapping[PageKey, _Owned]
+    _domains: DomainRegistry
+    _used: int
+    _lock: threading.Lock
+
+    def owners(self, key: PageKey) -> list[str]:
         """The residency domains that own a page."""
         with self._lock:
             e = self._index.get(key)
@@ -192,10 +204,6 @@ class LocalTier(Tier):
     @property
     def used_bytes(self) -> int:
         return self._used
-
-    @property
-    def capacity_bytes(self) -> int:
-        return int(self.cfg.capacity)
 
     def __len__(self) -> int:
         return len(self._index)

@@ -22,6 +22,7 @@ remains.
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import logging
 import mmap
@@ -38,34 +39,38 @@ import numpy as np
 from lmkv.config import DiskConfig
 from lmkv.domains import DomainRegistry, check_domain
 from lmkv.errors import PageError, ShortReadError, TierFullError
-from lmkv.keys import key_hex, parse_key_hex
+from lmkv.keys import PageKey, key_hex, parse_key_hex
 from lmkv.layout import GroupLayout
 from lmkv.page import (
     ALIGN,
     PageHeader,
+    as_bytes_view,
     disk_header_bytes,
     disk_page_bytes,
-    as_bytes_view,
     padded,
-    unpack_header,
     units_in_ranges,
+    unpack_header,
     verify_payload,
     verify_unit_buffers,
     verify_units,
 )
-from lmkv.tiers.eviction import EvictionPolicy, make_policy
 from lmkv.tiers.base import LocalTier, Range, ReadsInPlace, WriteSession
+from lmkv.tiers.eviction import EvictionPolicy, make_policy
 
 log = logging.getLogger(__name__)
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 SUFFIX = ".page"
-_WOULD_BLOCK = object()  # a page the page cache does not hold (read it on an I/O thread)
+class _Blocked(enum.Enum):
+    WOULD_BLOCK = "a page the page cache does not hold (read it on an I/O thread)"
+
+
+_WOULD_BLOCK = _Blocked.WOULD_BLOCK
 INLINE_RUNS = min(4, os.cpu_count() or 1)  # parallel runs of reads the page cache serves
 MIN_RUN_PAGES = 16
 
 
-def page_path(data_dir: Path, key: bytes, domain: str) -> str:
+def page_path(data_dir: Path, key: PageKey, domain: str) -> str:
     """A page's file (a string: reads open one per page, and pathlib would cost more than the read)."""
     h = key_hex(key)
     return f"{data_dir}/{domain}/{h[:2]}/{h}{SUFFIX}"
@@ -104,7 +109,7 @@ class DiskView:
         self.name = name
         self._data = Path(path) / "d"
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         domains = _domains_in(self._data)
         return [any(os.path.exists(page_path(self._data, k, d)) for d in domains) for k in keys]
 
@@ -148,6 +153,23 @@ def _pwritev_all(fd: int, iov: list[memoryview]) -> None:
         offset += len(buf)
 
 
+def _read_exact(fd: int, bufs: list, need: int, nowait: bool) -> bool:
+    """``preadv`` a whole page from the file's start into ``bufs``; a short read raises. ``nowait``:
+    False (nothing raised) unless the OS page cache holds all ``need`` bytes."""
+    if nowait:
+        try:
+            got = os.preadv(fd, bufs, 0, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return False
+        if got < need:  # partly cached (or truncated: the blocking read tells)
+            return False
+    else:
+        got = os.preadv(fd, bufs, 0)
+    if got < need:
+        raise ShortReadError(f"read {got} bytes of a {need}-byte page")
+    return True
+
+
 class _Bounce(threading.local):
     """A per-thread aligned scratch buffer for I/O that cannot use the caller's buffer."""
 
@@ -179,7 +201,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         if cfg.io == "direct" and not probe_direct_io(self._tmp):
             raise ValueError(f"disk.io = 'direct': the file system under {self.root} refuses O_DIRECT")
         self._lock = threading.Lock()
-        self._index: dict[bytes, _Entry] = {}
+        self._index: dict[PageKey, _Entry] = {}
         self._domains = DomainRegistry()
         self._policy: EvictionPolicy = make_policy(cfg.policy)
         self._used = 0
@@ -190,7 +212,7 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     # -- files -------------------------------------------------------------
 
-    def _path(self, key: bytes, domain: str) -> str:
+    def _path(self, key: PageKey, domain: str) -> str:
         return page_path(self._data, key, domain)
 
     def _rebuild(self) -> None:
@@ -200,7 +222,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             writer = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
             if writer is None or writer == os.getpid() or not _pid_alive(writer):
                 tmp.unlink(missing_ok=True)
-        found: list[tuple[float, bytes, str, int]] = []
+        found: list[tuple[float, PageKey, str, int]] = []
         for dom_dir in sorted(p for p in self._data.iterdir() if p.is_dir()):
             try:
                 check_domain(dom_dir.name)
@@ -230,7 +252,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         if self._index:
             log.info("disk tier %s: %d pages, %d bytes indexed", self.root, len(self._index), self._used)
 
-    def _open_any(self, key: bytes, e: _Entry, flags: int) -> int:
+    def _open_any(self, key: PageKey, e: _Entry, flags: int) -> int:
         for domain in self._domains.names(e.domains):
             try:
                 return os.open(self._path(key, domain), flags)
@@ -238,11 +260,11 @@ class DiskTier(LocalTier, ReadsInPlace):
                 continue
         raise FileNotFoundError(key_hex(key))
 
-    def _unlink_all(self, key: bytes, domains: int) -> None:
+    def _unlink_all(self, key: PageKey, domains: int) -> None:
         for domain in self._domains.names(domains):
             _unlink(self._path(key, domain))
 
-    def _forget(self, key: bytes) -> _Entry | None:
+    def _forget(self, key: PageKey) -> _Entry | None:
         """Under the lock: drop a page from the index (its files are unlinked by the caller)."""
         e = self._index.pop(key, None)
         if e is not None:
@@ -250,7 +272,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             self._used -= e.file_bytes
         return e
 
-    def _discard(self, key: bytes, why: str) -> None:
+    def _discard(self, key: PageKey, why: str) -> None:
         with self._lock:
             e = self._forget(key)
             self.stats.corrupt += 1
@@ -275,11 +297,12 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     # -- reading -----------------------------------------------------------
 
-    def _read_page(self, key: bytes, layout: GroupLayout, out, ranges: Sequence[Range] | None,
-                   nowait: bool = False) -> PageHeader | None | object:
-        """One page into ``out`` (a buffer, or with buffered I/O a list of one buffer per unit);
-        ``nowait`` (a whole buffered page): :data:`_WOULD_BLOCK` unless the OS page cache holds all
-        of it, so that cached pages are read without a thread hand-off."""
+    def _read_page(self, key: PageKey, layout: GroupLayout, out, ranges: Sequence[Range] | None,
+                   nowait: bool = False) -> PageHeader | None | _Blocked:
+        """One page into ``out`` (a buffer, or with buffered I/O a list of one buffer per unit), or
+        only ``ranges`` of it; ``nowait`` (a whole buffered page): :data:`_WOULD_BLOCK` unless the OS
+        page cache holds all of it, so that cached pages are read without a thread hand-off. A page
+        that fails its checks is dropped; any failure is a miss (``None``)."""
         with self._lock:
             e = self._index.get(key)
             if e is not None:
@@ -287,13 +310,10 @@ class DiskTier(LocalTier, ReadsInPlace):
         if e is None:
             self.stats.misses += 1
             return None
-        hdr_bytes = disk_header_bytes(layout)
-        plen = layout.payload_bytes
         units = out if isinstance(out, list) else None
         dst = None if units is not None else as_bytes_view(out)
-        whole = ranges is None
-        direct = self.direct and units is None and (
-            whole or all(s % ALIGN == 0 and _aligned(dst[s:t], t - s) for s, t in ranges)
+        direct = self.direct and dst is not None and (
+            ranges is None or all(s % ALIGN == 0 and _aligned(dst[s:t], t - s) for s, t in ranges)
         )
         try:
             fd = self._open_any(key, e, os.O_RDONLY | (os.O_DIRECT if direct else 0))
@@ -302,46 +322,14 @@ class DiskTier(LocalTier, ReadsInPlace):
             self.stats.misses += 1
             return None
         try:
-            if whole:
-                if not direct or _aligned(dst, padded(plen)):  # straight into the caller's buffer(s)
-                    hdr = self._bounce.get(hdr_bytes)
-                    bufs = [hdr, *units] if units is not None else [hdr, dst[: padded(plen) if direct else plen]]
-                    if nowait and not direct:
-                        try:
-                            got = os.preadv(fd, bufs, 0, os.RWF_NOWAIT)
-                        except BlockingIOError:
-                            return _WOULD_BLOCK
-                        if got < hdr_bytes + plen:  # partly cached (or truncated: the blocking read tells)
-                            return _WOULD_BLOCK
-                    else:
-                        got = os.preadv(fd, bufs, 0)
-                    if got < hdr_bytes + plen:
-                        raise ShortReadError(f"read {got} bytes of a {hdr_bytes + plen}-byte page")
-                else:
-                    total = hdr_bytes + padded(plen)
-                    scratch = self._bounce.get(total)
-                    got = os.preadv(fd, [scratch], 0)
-                    if got < hdr_bytes + plen:
-                        raise ShortReadError(f"read {got} bytes of a {hdr_bytes + plen}-byte page")
-                    hdr = scratch[:hdr_bytes]
-                    dst[:plen] = scratch[hdr_bytes : hdr_bytes + plen]
-                header = unpack_header(hdr, expect_key=key, layout=layout)
-                if units is not None:
-                    verify_unit_buffers(header, layout, units)
-                else:
-                    verify_payload(header, layout, dst)
-                n = plen
+            if units is not None:
+                header = self._read_units(fd, key, layout, units, nowait)
+            elif ranges is None:
+                assert dst is not None
+                header = self._read_whole(fd, key, layout, dst, direct, nowait and not direct)
             else:
-                hdr = self._bounce.get(hdr_bytes)
-                if os.preadv(fd, [hdr], 0) < hdr_bytes:
-                    raise ShortReadError("page header is truncated")
-                header = unpack_header(hdr, expect_key=key, layout=layout)
-                n = 0
-                for start, end in ranges:
-                    if os.preadv(fd, [dst[start:end]], hdr_bytes + start) < end - start:
-                        raise ShortReadError(f"range [{start}, {end}) is truncated")
-                    n += end - start
-                verify_units(header, layout, dst, units_in_ranges(layout, ranges))
+                assert dst is not None
+                header = self._read_ranges(fd, key, layout, dst, ranges)
         except PageError as err:
             self._discard(key, str(err))
             self.stats.misses += 1
@@ -353,8 +341,58 @@ class DiskTier(LocalTier, ReadsInPlace):
             return None
         finally:
             os.close(fd)
-        self.stats.hits += 1
-        self.stats.get_bytes += n
+        if header is not _WOULD_BLOCK:
+            self.stats.hits += 1
+            self.stats.get_bytes += layout.payload_bytes if ranges is None else sum(t - s for s, t in ranges)
+        return header
+
+    def _read(self, key: PageKey, layout: GroupLayout, out, ranges: Sequence[Range] | None = None) -> PageHeader | None:
+        """:meth:`_read_page`, waiting for the device."""
+        got = self._read_page(key, layout, out, ranges)
+        assert got is not _WOULD_BLOCK
+        return got
+
+    def _read_whole(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview, direct: bool,
+                    nowait: bool) -> PageHeader | _Blocked:
+        """Header and payload in one ``preadv``: the payload straight into ``dst``, or through an
+        aligned bounce buffer where O_DIRECT cannot use ``dst`` as it is."""
+        hdr_bytes, plen = disk_header_bytes(layout), layout.payload_bytes
+        if direct and not _aligned(dst, padded(plen)):
+            scratch = self._bounce.get(hdr_bytes + padded(plen))
+            _read_exact(fd, [scratch], hdr_bytes + plen, nowait=False)
+            hdr = scratch[:hdr_bytes]
+            dst[:plen] = scratch[hdr_bytes : hdr_bytes + plen]
+        else:
+            hdr = self._bounce.get(hdr_bytes)
+            if not _read_exact(fd, [hdr, dst[: padded(plen) if direct else plen]], hdr_bytes + plen, nowait):
+                return _WOULD_BLOCK
+        header = unpack_header(hdr, expect_key=key, layout=layout)
+        verify_payload(header, layout, dst)
+        return header
+
+    def _read_units(self, fd: int, key: PageKey, layout: GroupLayout, units: list,
+                    nowait: bool) -> PageHeader | _Blocked:
+        """Header and payload in one ``preadv``, each unit into its own buffer (an engine's block rows)."""
+        hdr_bytes = disk_header_bytes(layout)
+        hdr = self._bounce.get(hdr_bytes)
+        if not _read_exact(fd, [hdr, *units], hdr_bytes + layout.payload_bytes, nowait):
+            return _WOULD_BLOCK
+        header = unpack_header(hdr, expect_key=key, layout=layout)
+        verify_unit_buffers(header, layout, units)
+        return header
+
+    def _read_ranges(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview,
+                     ranges: Sequence[Range]) -> PageHeader:
+        """The header, then each range into ``dst`` at its page offset; only those units are verified."""
+        hdr_bytes = disk_header_bytes(layout)
+        hdr = self._bounce.get(hdr_bytes)
+        if os.preadv(fd, [hdr], 0) < hdr_bytes:
+            raise ShortReadError("page header is truncated")
+        header = unpack_header(hdr, expect_key=key, layout=layout)
+        for start, end in ranges:
+            if os.preadv(fd, [dst[start:end]], hdr_bytes + start) < end - start:
+                raise ShortReadError(f"range [{start}, {end}) is truncated")
+        verify_units(header, layout, dst, units_in_ranges(layout, ranges))
         return header
 
     # -- writing -----------------------------------------------------------
@@ -412,7 +450,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         self.stats.put_bytes += header.payload_len
         return True
 
-    def _link_domain(self, key: bytes, e: _Entry, domain: str) -> None:
+    def _link_domain(self, key: PageKey, e: _Entry, domain: str) -> None:
         """Under the lock: add an owner to a resident page (a hard link, no bytes copied)."""
         src = next(self._path(key, d) for d in self._domains.names(e.domains))
         dst = self._path(key, domain)
@@ -445,7 +483,11 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     # -- Tier --------------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.cfg.capacity)
+
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         with self._lock:
             found = [k in self._index for k in keys]
         if not all(found):  # another process sharing the directory may have written them
@@ -455,7 +497,7 @@ class DiskTier(LocalTier, ReadsInPlace):
                     found[i] = self._adopt(k, domains)
         return found
 
-    def _adopt(self, key: bytes, domains: list[str]) -> bool:
+    def _adopt(self, key: PageKey, domains: list[str]) -> bool:
         """Index a page another process wrote into the shared directory since we last looked."""
         for domain in domains:
             path = self._path(key, domain)
@@ -474,18 +516,18 @@ class DiskTier(LocalTier, ReadsInPlace):
         with self._lock:
             return key in self._index
 
-    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+    def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         """Pages the OS page cache holds are read in a few long runs, one in this thread (a memory
         copy: handing pages one by one to threads cost more than it saved, 1.4-1.9x slower here);
         the others page by page in parallel, because a device needs queue depth. ``outs`` may also
         be lists of unit buffers (see :meth:`get_units`)."""
         if len(keys) < 2:
-            return [self._read_page(k, layout, out, None) for k, out in zip(keys, outs)]
-        results: list = [_WOULD_BLOCK] * len(keys)
+            return [self._read(k, layout, out) for k, out in zip(keys, outs)]
+        results: list[PageHeader | None | _Blocked] = [_WOULD_BLOCK] * len(keys)
         if not self.direct:
             # a few long runs (one here, the others on I/O threads): a page's copy out of the page
             # cache runs without the GIL while another run hashes (measured 1.5-1.7x one run on 2 cores)
-            def run(lo: int, hi: int) -> list:
+            def run(lo: int, hi: int) -> list[PageHeader | None | _Blocked]:
                 return [self._read_page(keys[i], layout, outs[i], None, nowait=True) for i in range(lo, hi)]
 
             parts = max(1, min(INLINE_RUNS, len(keys) // MIN_RUN_PAGES))
@@ -494,16 +536,16 @@ class DiskTier(LocalTier, ReadsInPlace):
             results = run(cuts[0], cuts[1]) + [r for f in others for r in f.result()]
         todo = [i for i, r in enumerate(results) if r is _WOULD_BLOCK]
         if todo:
-            for i, r in zip(todo, self._io.map(lambda i: self._read_page(keys[i], layout, outs[i], None), todo)):
+            for i, r in zip(todo, self._io.map(lambda i: self._read(keys[i], layout, outs[i]), todo)):
                 results[i] = r
-        return results
+        return [None if r is _WOULD_BLOCK else r for r in results]  # (none is left)
 
     @property
     def reads_in_place(self) -> bool:
         """Whether :meth:`get_units` reads into the caller's buffers without staging (buffered I/O)."""
         return not self.direct
 
-    def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
+    def get_units(self, keys: Sequence[PageKey], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
         """Buffered I/O reads each page straight into its unit buffers (one ``preadv``); the page
         cache is this tier's memory, so nothing is staged in lmkv's memory tier on the way."""
         if not self.reads_in_place:
@@ -513,8 +555,8 @@ class DiskTier(LocalTier, ReadsInPlace):
             raise ValueError(f"group {layout.name!r}: a page has {n} units")
         return self.get(keys, layout, [list(u) for u in units])
 
-    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
-        return self._read_page(key, layout, out, list(ranges))
+    def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+        return self._read(key, layout, out, list(ranges))
 
     def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
         check_domain(domain)
@@ -539,7 +581,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             return False
         return self._store(header, payload, domain, reserved=True)
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[PageKey]) -> int:
         n = 0
         for k in keys:
             with self._lock:
@@ -567,7 +609,7 @@ class DiskTier(LocalTier, ReadsInPlace):
     def close(self) -> None:
         self._io.shutdown(wait=True)
 
-    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> DiskSession:
+    def open_session(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> DiskSession:
         return DiskSession(self, keys, layouts, check_domain(domain))
 
 
@@ -575,7 +617,7 @@ class DiskTier(LocalTier, ReadsInPlace):
 class DiskSession(WriteSession):
     """Pages are filled in aligned host buffers; commit writes them all, then publishes them together."""
 
-    def __init__(self, tier: DiskTier, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> None:
+    def __init__(self, tier: DiskTier, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> None:
         super().__init__(keys, layouts)
         self._tier = tier
         self._domain = domain
@@ -592,7 +634,7 @@ class DiskSession(WriteSession):
 
     def commit(self, headers: Sequence[PageHeader | None] | None = None) -> list[bool]:
         tier = self._tier
-        tmps: list[Path | None] = []
+        tmps: list[tuple[PageHeader, Path] | None] = []  # each page's header and written file
         headers = self.headers() if headers is None else headers
         try:
             for h, buf in zip(headers, self._bufs):
@@ -600,7 +642,7 @@ class DiskSession(WriteSession):
                     tmps.append(None)
                     continue
                 try:
-                    tmps.append(tier._write_tmp(h, memoryview(buf)))
+                    tmps.append((h, tier._write_tmp(h, memoryview(buf))))
                 except OSError as err:
                     tier.stats.full += err.errno in _FULL_ERRNOS
                     tier.stats.errors += err.errno not in _FULL_ERRNOS
@@ -608,7 +650,7 @@ class DiskSession(WriteSession):
                     tmps.append(None)
             with tier._lock:
                 tier._reserved -= sum(self._sizes)
-                return [tier._publish(h, t, self._domain) if t else False for h, t in zip(headers, tmps)]
+                return [tier._publish(t[0], t[1], self._domain) if t else False for t in tmps]
         finally:
             self.closed = True
 

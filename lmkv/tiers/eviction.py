@@ -10,23 +10,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
+
+from lmkv.keys import PageKey
 
 
 class EvictionPolicy(ABC):
     """Orders resident keys for eviction."""
 
     @abstractmethod
-    def insert(self, key: Hashable) -> None: ...
+    def insert(self, key: PageKey) -> None: ...
 
     @abstractmethod
-    def touch(self, key: Hashable) -> None: ...
+    def touch(self, key: PageKey) -> None: ...
 
     @abstractmethod
-    def remove(self, key: Hashable) -> None: ...
+    def remove(self, key: PageKey) -> None: ...
 
     @abstractmethod
-    def victim(self, evictable: Callable[[Hashable], bool]) -> Hashable | None:
+    def victim(self, evictable: Callable[[PageKey], bool]) -> PageKey | None:
         """Choose, remove and return the next key to evict (one ``evictable`` accepts)."""
 
     @abstractmethod
@@ -35,20 +37,20 @@ class EvictionPolicy(ABC):
 
 class LRUPolicy(EvictionPolicy):
     def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._order: OrderedDict[PageKey, None] = OrderedDict()
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: PageKey) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: PageKey) -> None:
         if key in self._order:
             self._order.move_to_end(key)
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: PageKey) -> None:
         self._order.pop(key, None)
 
-    def victim(self, evictable: Callable[[Hashable], bool]) -> Hashable | None:
+    def victim(self, evictable: Callable[[PageKey], bool]) -> PageKey | None:
         for key in self._order:
             if evictable(key):
                 del self._order[key]
@@ -66,12 +68,12 @@ class S3FIFOPolicy(EvictionPolicy):
     MAX_FREQ = 3
 
     def __init__(self) -> None:
-        self._small: OrderedDict[Hashable, None] = OrderedDict()
-        self._main: OrderedDict[Hashable, None] = OrderedDict()
-        self._ghost: OrderedDict[Hashable, None] = OrderedDict()
-        self._freq: dict[Hashable, int] = {}
+        self._small: OrderedDict[PageKey, None] = OrderedDict()
+        self._main: OrderedDict[PageKey, None] = OrderedDict()
+        self._ghost: OrderedDict[PageKey, None] = OrderedDict()
+        self._freq: dict[PageKey, int] = {}
 
-    def insert(self, key: Hashable) -> None:
+    def insert(self, key: PageKey) -> None:
         if key in self._freq:
             self.touch(key)
             return
@@ -82,17 +84,17 @@ class S3FIFOPolicy(EvictionPolicy):
         else:
             self._small[key] = None
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: PageKey) -> None:
         f = self._freq.get(key)
         if f is not None:
             self._freq[key] = min(f + 1, self.MAX_FREQ)
 
-    def remove(self, key: Hashable) -> None:
+    def remove(self, key: PageKey) -> None:
         if self._freq.pop(key, None) is not None:
             self._small.pop(key, None)
             self._main.pop(key, None)
 
-    def _evict_from(self, fifo: OrderedDict, evictable: Callable[[Hashable], bool], small: bool) -> Hashable | None:
+    def _evict_from(self, fifo: OrderedDict, evictable: Callable[[PageKey], bool], small: bool) -> PageKey | None:
         # Keys in main may need MAX_FREQ passes to age out; pinned keys go round again.
         for _ in range(len(fifo) * (self.MAX_FREQ + 1)):
             if not fifo:
@@ -116,7 +118,7 @@ class S3FIFOPolicy(EvictionPolicy):
                 return key
         return None
 
-    def victim(self, evictable: Callable[[Hashable], bool]) -> Hashable | None:
+    def victim(self, evictable: Callable[[PageKey], bool]) -> PageKey | None:
         if len(self._small) >= self.SMALL_FRACTION * len(self._freq):
             order = ((self._small, True), (self._main, False), (self._small, True))
         else:

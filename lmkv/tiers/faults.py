@@ -19,6 +19,7 @@ by its checksum. Every fault is counted in the wrapped tier's stats.
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
@@ -28,6 +29,7 @@ import numpy as np
 
 from lmkv.config import FaultSpec
 from lmkv.errors import PageError, ShortReadError, TierUnavailableError
+from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import (
     PageHeader,
@@ -95,11 +97,11 @@ class FaultyTier(Tier):
 
     # -- Tier --------------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         self._gate()
         return self.inner.contains(keys)
 
-    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+    def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         self._gate()
         results: list[PageHeader | None] = []
         for key, out in zip(keys, outs):
@@ -112,13 +114,13 @@ class FaultyTier(Tier):
             (h,) = self.inner.get([key], layout, [out])
             if h is not None and kind is not None:
                 try:
-                    self._spoil(kind, out, lambda h=h, out=out: verify_payload(h, layout, out))
+                    self._spoil(kind, out, functools.partial(verify_payload, h, layout, out))
                 except PageError:
                     h = None
             results.append(h)
         return results
 
-    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+    def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         self._gate()
         kind = self._fault()
         if kind == "missing":
@@ -127,7 +129,7 @@ class FaultyTier(Tier):
         h = self.inner.read_ranges(key, layout, ranges, out)
         if h is not None and kind is not None:
             try:
-                self._spoil(kind, out, lambda: verify_units(h, layout, out, units_in_ranges(layout, ranges)))
+                self._spoil(kind, out, functools.partial(verify_units, h, layout, out, units_in_ranges(layout, ranges)))
             except PageError:
                 return None
         return h
@@ -136,10 +138,10 @@ class FaultyTier(Tier):
         self._gate()
         return self.inner.put(pages, domain)
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[PageKey]) -> int:
         return self.inner.delete(keys)
 
-    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> WriteSession:
+    def open_session(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> WriteSession:
         self._gate()
         return self.inner.open_session(keys, layouts, domain)
 
@@ -175,7 +177,7 @@ class FaultyInPlaceTier(FaultyTier, ReadsInPlace):
     def reads_in_place(self) -> bool:
         return self.reader.reads_in_place
 
-    def get_units(self, keys: Sequence[bytes], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
+    def get_units(self, keys: Sequence[PageKey], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
         self._gate()
         results: list[PageHeader | None] = []
         for key, bufs in zip(keys, units):
@@ -189,7 +191,7 @@ class FaultyInPlaceTier(FaultyTier, ReadsInPlace):
             if h is not None and kind is not None:
                 try:  # a flipped byte lands in one of the engine's buffers
                     self._spoil(kind, bufs[self._draw_index(len(bufs))],
-                                lambda h=h, bufs=bufs: verify_unit_buffers(h, layout, bufs))
+                                functools.partial(verify_unit_buffers, h, layout, bufs))
                 except PageError:
                     h = None
             results.append(h)

@@ -16,15 +16,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lmkv.tiers.allocator import SlabAllocator
-from lmkv.tiers.arena import HostArena
 from lmkv.config import MemoryConfig
 from lmkv.domains import DomainRegistry
 from lmkv.errors import PageError, TierFullError
+from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, verify_payload, verify_units
-from lmkv.tiers.eviction import EvictionPolicy, make_policy
+from lmkv.tiers.allocator import SlabAllocator
+from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import LocalTier, Range, ResidencyListener, WriteSession
+from lmkv.tiers.eviction import EvictionPolicy, make_policy
 
 #: called with (header, payload view, owning domains) of each evicted page, before its slot is reused
 EvictHook = Callable[[list[tuple[PageHeader, np.ndarray, list[str]]]], None]
@@ -82,7 +83,7 @@ class MemoryTier(LocalTier):
         slab = min(int(cfg.slab_size), max(int(cfg.capacity) // MIN_SLABS, 1 << 20))
         self._alloc = SlabAllocator(int(cfg.capacity), slab)
         self._policies: dict[int, EvictionPolicy] = {}
-        self._index: dict[bytes, _Entry] = {}
+        self._index: dict[PageKey, _Entry] = {}
         self._domains = DomainRegistry()
         self._lock = threading.Lock()
         self._used = 0
@@ -159,7 +160,7 @@ class MemoryTier(LocalTier):
                 if e.pins == 0 and e.deleted:
                     self._release_slot(e.offset, e.header.payload_len)
 
-    def _pin(self, keys: Sequence[bytes], count: bool = True) -> list[_Entry | None]:
+    def _pin(self, keys: Sequence[PageKey], count: bool = True) -> list[_Entry | None]:
         """Pin pages; ``count`` says whether this is a read to count (not lmkv's own bookkeeping)."""
         with self._lock:
             out = []
@@ -209,11 +210,15 @@ class MemoryTier(LocalTier):
 
     # -- Tier --------------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.cfg.capacity)
+
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         with self._lock:
             return [k in self._index for k in keys]
 
-    def borrow(self, keys: Sequence[bytes], count: bool = True) -> Lease:
+    def borrow(self, keys: Sequence[PageKey], count: bool = True) -> Lease:
         """Pin pages and return zero-copy views; release the lease when the copies are done.
 
         A counted borrow is a read (hits, misses, bytes); lmkv's own copies between tiers pass
@@ -224,7 +229,7 @@ class MemoryTier(LocalTier):
             self.stats.get_bytes += sum(e.header.payload_len for e in entries if e is not None)
         return Lease(self, entries)
 
-    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+    def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         entries = self._pin(keys)
         results: list[PageHeader | None] = []
         try:
@@ -248,7 +253,7 @@ class MemoryTier(LocalTier):
             self._unpin(entries)
         return results
 
-    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+    def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         (e,) = self._pin([key])
         if e is None:
             return None
@@ -293,7 +298,7 @@ class MemoryTier(LocalTier):
                 results.append(self._insert(header, off, bit))
         return results
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[PageKey]) -> int:
         n = 0
         with self._lock:
             for k in keys:
@@ -316,11 +321,11 @@ class MemoryTier(LocalTier):
                 self._drop(self._index.pop(k))
             return len(doomed)
 
-    def keys(self) -> list[bytes]:
+    def keys(self) -> list[PageKey]:
         with self._lock:
             return list(self._index)
 
-    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> MemorySession:
+    def open_session(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> MemorySession:
         return MemorySession(self, keys, layouts, domain)
 
 
@@ -328,7 +333,7 @@ class MemoryTier(LocalTier):
 class MemorySession(WriteSession):
     """Reserves arena slots up front; the engine's bytes are written straight into them."""
 
-    def __init__(self, tier: MemoryTier, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> None:
+    def __init__(self, tier: MemoryTier, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> None:
         super().__init__(keys, layouts)
         self._tier = tier
         self._domain = domain

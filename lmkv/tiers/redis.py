@@ -34,6 +34,7 @@ import asyncio
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -44,7 +45,7 @@ from redis import exceptions as rexc
 
 from lmkv.config import ConfigError, RemoteConfig
 from lmkv.errors import PageError, TierUnavailableError
-from lmkv.keys import key_hex
+from lmkv.keys import PageKey, key_hex
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, unpack_header
 from lmkv.tiers.base import Range
@@ -71,16 +72,18 @@ def _cluster_retry(asyncio_client: bool):
     from redis.backoff import NoBackoff
 
     if asyncio_client:
-        from redis.asyncio.retry import Retry
-    else:
-        from redis.retry import Retry
+        from redis.asyncio.retry import Retry as AsyncRetry
+
+        return AsyncRetry(NoBackoff(), 3)
+    from redis.retry import Retry
+
     return Retry(NoBackoff(), 3)
 
 
 def make_client(cfg: RemoteConfig, asyncio_client: bool = True):
     """A redis-py client for ``cfg.url``, asyncio or blocking (no connection is made here)."""
     url = cfg.url or ""
-    common = dict(
+    common: dict[str, Any] = dict(
         socket_timeout=cfg.timeout,
         socket_connect_timeout=cfg.connect_timeout,
         username=cfg.username,
@@ -147,7 +150,7 @@ class RedisTier(RemoteTier):
         except TimeoutError as err:  # concurrent.futures timeout: the loop itself is stuck
             raise TierUnavailableError(f"{self.name}: no answer in {self.cfg.timeout} s") from err
 
-    def _names(self, key: bytes) -> tuple[bytes, bytes]:
+    def _names(self, key: PageKey) -> tuple[bytes, bytes]:
         tag = f"{self._prefix}{{{key_hex(key)}}}"
         return (tag + ":h").encode(), (tag + ":p").encode()
 
@@ -156,7 +159,7 @@ class RedisTier(RemoteTier):
     def _ping(self) -> None:
         self._run(self._client.ping())
 
-    def _exists(self, keys: Sequence[bytes]) -> list[bool]:
+    def _exists(self, keys: Sequence[PageKey]) -> list[bool]:
         async def run():
             async with self._client.pipeline(transaction=False) as pipe:
                 for k in keys:
@@ -165,14 +168,14 @@ class RedisTier(RemoteTier):
 
         return self._run(run())
 
-    def _cached_header(self, key: bytes) -> PageHeader | None:
+    def _cached_header(self, key: PageKey) -> PageHeader | None:
         with self._headers_lock:
             h = self._headers.get(key)
             if h is not None:
                 self._headers.move_to_end(key)
             return h
 
-    def _remember(self, key: bytes, header: PageHeader | None) -> None:
+    def _remember(self, key: PageKey, header: PageHeader | None) -> None:
         with self._headers_lock:
             if header is None:
                 self._headers.pop(key, None)
@@ -181,13 +184,14 @@ class RedisTier(RemoteTier):
             if len(self._headers) > HEADER_CACHE:
                 self._headers.popitem(last=False)
 
-    def _read(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence, ranges: Sequence[Range] | None) -> list:
+    def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
+              ranges: Sequence[Range] | None) -> list:
         try:
             return [self._read_one(k, layout, o, ranges) for k, o in zip(keys, outs)]
         except _UNREACHABLE as err:
             raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
 
-    def _read_one(self, key: bytes, layout: GroupLayout, out, ranges: Sequence[Range] | None):
+    def _read_one(self, key: PageKey, layout: GroupLayout, out, ranges: Sequence[Range] | None):
         h, p = self._names(key)
         want = [(0, layout.payload_bytes)] if ranges is None else list(ranges)
         header = self._cached_header(key)
@@ -261,7 +265,7 @@ class RedisTier(RemoteTier):
         else:
             self.stats.errors += 1
 
-    def _delete(self, keys: Sequence[bytes]) -> int:
+    def _delete(self, keys: Sequence[PageKey]) -> int:
         async def run():
             async with self._client.pipeline(transaction=False) as pipe:
                 for k in keys:

@@ -25,12 +25,13 @@ import numpy as np
 
 from lmkv.config import RemoteConfig
 from lmkv.errors import PageError, PageFormatError, TierUnavailableError
+from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import (
     PageHeader,
     as_bytes_view,
-    unpack_header,
     units_in_ranges,
+    unpack_header,
     verify_payload,
     verify_units,
 )
@@ -69,7 +70,8 @@ class Health:
             if self._down_since is not None or self._stop.is_set():
                 return
             self._down_since = time.time()
-            log.warning("lmkv: %s tier unreachable (%s); serving without it, reconnecting in the background", self.name, err)
+            log.warning("lmkv: %s tier unreachable (%s); serving without it, reconnecting in the background",
+                        self.name, err)
             self._thread = threading.Thread(target=self._reconnect, name=f"lmkv-{self.name}-reconnect", daemon=True)
             self._thread.start()
 
@@ -82,7 +84,8 @@ class Health:
                 delay = min(delay * 2, self._max)
                 continue
             with self._lock:
-                log.warning("lmkv: %s tier reachable again after %.1f s", self.name, time.time() - (self._down_since or 0))
+                down_for = time.time() - (self._down_since or 0)
+                log.warning("lmkv: %s tier reachable again after %.1f s", self.name, down_for)
                 self._down_since = None
             return
 
@@ -93,7 +96,7 @@ class Health:
 class BufferedSession(WriteSession):
     """A write session for a remote tier: pages fill host buffers, commit sends them in one batch."""
 
-    def __init__(self, tier: RemoteTier, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> None:
+    def __init__(self, tier: RemoteTier, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> None:
         super().__init__(keys, layouts)
         self._tier = tier
         self._domain = domain
@@ -133,8 +136,10 @@ class RemoteTier(Tier):
     for anything that means the backend cannot be reached or did not answer in time.
     """
 
-    #: whether the store should give this tier its memory arena to write into (lmkv server, same host)
-    wants_arena: bool = False
+    @property
+    def wants_arena(self) -> bool:
+        """Whether the store should give this tier its memory arena to write into (lmkv server, same host)."""
+        return False
 
     def share_arena(self, window) -> None:
         """Let the backend write pages straight into the memory tier's arena (see ``wants_arena``)."""
@@ -153,10 +158,11 @@ class RemoteTier(Tier):
     def _ping(self) -> None: ...
 
     @abstractmethod
-    def _exists(self, keys: Sequence[bytes]) -> list[bool]: ...
+    def _exists(self, keys: Sequence[PageKey]) -> list[bool]: ...
 
     @abstractmethod
-    def _read(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence, ranges: Sequence[Range] | None) -> list:
+    def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
+              ranges: Sequence[Range] | None) -> list:
         """Per key, its header (packed bytes, or a :class:`PageHeader` already parsed; ``None``:
         missing), the payload written into ``out`` at page offsets (every byte, or only ``ranges``)."""
 
@@ -164,7 +170,7 @@ class RemoteTier(Tier):
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]: ...
 
     @abstractmethod
-    def _delete(self, keys: Sequence[bytes]) -> int: ...
+    def _delete(self, keys: Sequence[PageKey]) -> int: ...
 
     @abstractmethod
     def _clear(self, domain: str) -> int: ...
@@ -186,17 +192,21 @@ class RemoteTier(Tier):
 
     # -- Tier --------------------------------------------------------------
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         return self._call(self._exists, keys) if keys else []
 
-    def _check(self, key: bytes, raw, layout: GroupLayout, out, units: list[int] | None, nbytes: int) -> PageHeader | None:
+    def _check(self, key: PageKey, raw, layout: GroupLayout, out, units: list[int] | None,
+               nbytes: int) -> PageHeader | None:
         """Parse and verify what a read returned; a bad page is counted, deleted and a miss."""
         if raw is None:
             self.stats.misses += 1
             return None
         try:
             checked = isinstance(raw, Checked)
-            h = raw.header if checked else raw if isinstance(raw, PageHeader) else unpack_header(raw, expect_key=key, layout=layout)
+            if checked:
+                h = raw.header
+            else:
+                h = raw if isinstance(raw, PageHeader) else unpack_header(raw, expect_key=key, layout=layout)
             if h.key != key or h.layout_fp != layout.fingerprint:
                 raise PageFormatError(f"page {h.key.hex()} of layout {h.layout_fp:#x} asked for as {key.hex()}")
             if self.verifies and not checked:
@@ -216,13 +226,13 @@ class RemoteTier(Tier):
         self.stats.get_bytes += nbytes
         return h
 
-    def get(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+    def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         if not keys:
             return []
         raws = self._call(self._read, keys, layout, outs, None)
         return [self._check(k, r, layout, o, None, layout.payload_bytes) for k, r, o in zip(keys, raws, outs)]
 
-    def read_ranges(self, key: bytes, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+    def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         units = units_in_ranges(layout, ranges)
         (raw,) = self._call(self._read, [key], layout, [out], list(ranges))
         return self._check(key, raw, layout, out, units, sum(b - a for a, b in ranges))
@@ -241,13 +251,13 @@ class RemoteTier(Tier):
                 self.stats.put_bytes += h.payload_len
         return ok
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[PageKey]) -> int:
         return self._call(self._delete, keys) if keys else 0
 
     def clear(self, domain: str) -> int:
         return self._call(self._clear, domain)
 
-    def open_session(self, keys: Sequence[bytes], layouts: Sequence[GroupLayout], domain: str) -> WriteSession:
+    def open_session(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> WriteSession:
         return BufferedSession(self, keys, layouts, domain)
 
     def _usage_now(self) -> tuple[int, int, int]:

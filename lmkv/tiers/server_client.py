@@ -25,8 +25,9 @@ import numpy as np
 from lmkv import shm_window
 from lmkv.config import ConfigError, RemoteConfig
 from lmkv.errors import PageError, TierBusyError, TierUnavailableError
+from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
-from lmkv.page import PageHeader, as_bytes_view, unpack_header, units_in_ranges, verify_units
+from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, unpack_header, verify_units
 from lmkv.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
@@ -198,7 +199,7 @@ class ServerTier(RemoteTier):
         with self._conn() as c:
             c.call(Op.PING, Empty(), Empty)
 
-    def _exists(self, keys: Sequence[bytes]) -> list[bool]:
+    def _exists(self, keys: Sequence[PageKey]) -> list[bool]:
         out: list[bool] = []
         with self._conn() as c:
             for i in range(0, len(keys), MAX_KEYS):
@@ -212,7 +213,7 @@ class ServerTier(RemoteTier):
         offsets = [shm_window.offset_in(self._arena.buf, b) for b in bufs]
         return None if any(o is None for o in offsets) else offsets  # type: ignore[return-value]
 
-    def _verified(self, key: bytes, raw: bytes, layout: GroupLayout, out, units: list[int]):
+    def _verified(self, key: PageKey, raw: bytes, layout: GroupLayout, out, units: list[int]):
         """Parse and verify one page (on the verifier thread, while the next page arrives)."""
         try:
             h = unpack_header(raw, expect_key=key, layout=layout)
@@ -221,18 +222,20 @@ class ServerTier(RemoteTier):
             return raw  # the caller's check counts and drops it
         return Checked(h)
 
-    def _read(self, keys: Sequence[bytes], layout: GroupLayout, outs: Sequence, ranges: Sequence[Range] | None) -> list:
-        want = [(0, layout.payload_bytes)] if ranges is None else [tuple(r) for r in ranges]
+    def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
+              ranges: Sequence[Range] | None) -> list:
+        want = [(0, layout.payload_bytes)] if ranges is None else [(a, b) for a, b in ranges]
         units = units_in_ranges(layout, want)
         per_page = sum(b - a for a, b in want)
         msg = self._layout_msg(layout)
-        wire_ranges = None if ranges is None else [list(r) for r in want]
+        wire_ranges = None if ranges is None else want
         out: list = []
         with self._conn() as c:
             dst = self._arena_offsets(c, outs)
             if dst is not None:  # the server copies straight into the caller's arena slots
                 for i in range(0, len(keys), MAX_KEYS):
-                    rep = c.call(Op.GET, Get(list(keys[i : i + MAX_KEYS]), msg, wire_ranges, dst=dst[i : i + MAX_KEYS]), GetReply)
+                    req = Get(list[bytes](keys[i : i + MAX_KEYS]), msg, wire_ranges, dst=dst[i : i + MAX_KEYS])
+                    rep = c.call(Op.GET, req, GetReply)
                     out += rep.headers
                 return out
             staged = c.window is not None and layout.payload_bytes <= len(c.window)
@@ -241,7 +244,7 @@ class ServerTier(RemoteTier):
             else:
                 step = max(1, min(MAX_KEYS, c.max_bulk // per_page))
             for i in range(0, len(keys), step):
-                batch, dsts = list(keys[i : i + step]), [as_bytes_view(o) for o in outs[i : i + step]]
+                batch, dsts = list[bytes](keys[i : i + step]), [as_bytes_view(o) for o in outs[i : i + step]]
                 c.send(Op.GET, Get(batch, msg, wire_ranges, staged))
                 rep, bulk = c.reply(GetReply)
                 found = [j for j, h in enumerate(rep.headers) if h is not None]
@@ -256,7 +259,8 @@ class ServerTier(RemoteTier):
                         else:
                             recv_exact(c.sock, dsts[j][a:b])
                     if self.verifies:
-                        results[j] = self._verifier.submit(self._verified, batch[j], rep.headers[j], layout, dsts[j], units)
+                        results[j] = self._verifier.submit(self._verified, keys[i + j], rep.headers[j], layout,
+                                                           dsts[j], units)
                 out += [r.result() if isinstance(r, Future) else r for r in results]
         return out
 
@@ -272,7 +276,8 @@ class ServerTier(RemoteTier):
             limit = len(c.window) if c.window is not None else c.max_bulk
             i = 0
             while i < len(pages):
-                batch, size = [], 0
+                batch: list[tuple[PageHeader, memoryview]] = []
+                size = 0
                 while i < len(pages) and len(batch) < MAX_KEYS and (not batch or size + len(pages[i][1]) <= limit):
                     batch.append(pages[i])
                     size += len(pages[i][1])
@@ -288,7 +293,7 @@ class ServerTier(RemoteTier):
                     out += c.call(Op.PUT, Put(headers, domain), Stored, [v for _, v in batch]).stored
         return out
 
-    def _delete(self, keys: Sequence[bytes]) -> int:
+    def _delete(self, keys: Sequence[PageKey]) -> int:
         with self._conn() as c:
             return sum(c.call(Op.DELETE, Keys(list(keys[i : i + MAX_KEYS])), Count).count
                        for i in range(0, len(keys), MAX_KEYS))

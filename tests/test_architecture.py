@@ -1,0 +1,129 @@
+"""The package's shape: no import circle, a small top level, a core that knows no engine.
+
+Imports are read from the source (every ``import`` statement, those inside functions and under
+``TYPE_CHECKING`` too: a deferred import hides a circle, it does not remove it), not by importing.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: where each installed package's files live (pyproject.toml's package-dir)
+PACKAGES = {"lmkv": ROOT / "lmkv", "lmkv.connectors": ROOT / "connectors",
+            "lmkv.benchmarks": ROOT / "benchmarks", "lmkv.cuda": ROOT / "cuda"}
+ENGINES = ("vllm", "sglang", "transformers")
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for pkg, base in PACKAGES.items():
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join([pkg, *parts])] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every module ``name``'s source imports (internal ones resolved to the module they name)."""
+    is_pkg = path.name == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in MODULES else base)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {i for i in _imports(m, p) if i in MODULES and i != m} for m, p in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_is_read():
+    """(The walk sees the edges it must: a test of the test.)"""
+    g = _graph()
+    assert "lmkv.store" in g["lmkv.engine.worker"]
+    assert "lmkv.engine.blockcopy" in g["lmkv.cuda"]
+    assert {"lmkv.tiers.redis", "lmkv.tiers.server_client"} <= g["lmkv.tiers.factory"]  # deferred imports count
+    assert "lmkv.connectors.sglang_pools" in g["lmkv.connectors.sglang"]  # relative imports resolve
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    cycles = _cycles(_graph())
+    assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_top_level_is_small():
+    top = sorted(p.stem for p in (ROOT / "lmkv").glob("*.py"))
+    assert len(top) <= 16, top
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_only_connectors_harnesses_and_the_simulator_import_an_engine(name):
+    """The core knows no engine: vLLM, SGLang and transformers are imported only by the adapters
+    (:mod:`lmkv.connectors`), the development harnesses (:mod:`lmkv.dev`), the offload simulator
+    (it replays traces on vLLM's real KVCacheManager) and the benchmarks that run an engine."""
+    engines = {i.split(".")[0] for i in _imports(name, MODULES[name])} & set(ENGINES)
+    allowed = name.startswith(("lmkv.connectors", "lmkv.dev.", "lmkv.benchmarks")) or name == "lmkv.offload.sim"
+    assert allowed or not engines, f"{name} imports {sorted(engines)}"
+
+
+def test_every_package_is_listed_for_installation():
+    """A package missing from pyproject.toml breaks only non-editable installs."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert packages == listed
