@@ -21,9 +21,10 @@ import concurrent.futures
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -38,6 +39,8 @@ from lmkv.tiers.base import Tier, WriteSession, in_place_reader
 from lmkv.tiers.factory import open_tiers
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -71,6 +74,16 @@ class WriteStats:
     @property
     def queued(self) -> int:
         return self.failed - self.retried - self.dropped
+
+
+def _read(tier: Tier, call: Callable[..., list[T]], *args) -> list[T] | None:
+    """A call on a tier's read path; a tier that fails is counted and logged, and holds nothing for
+    this read (``None``): the caller's other tiers serve, or the engine recomputes."""
+    try:
+        return call(*args)
+    except (LMKVError, OSError) as err:
+        tier_failed(tier, "read", err)
+        return None
 
 
 class TieredStore:
@@ -109,12 +122,10 @@ class TieredStore:
             for depth, tier in enumerate(self.tiers):
                 if not todo:
                     break
-                try:
-                    present = tier.contains([keys[i] for i in todo])
-                    here = [i for i, p in zip(todo, present) if p]
-                    got = tier.get([keys[i] for i in here], layout, [outs[i] for i in here]) if here else []
-                except (LMKVError, OSError) as err:
-                    tier_failed(tier, "read", err)
+                present = _read(tier, tier.contains, [keys[i] for i in todo])
+                here = [i for i, p in zip(todo, present or ()) if p]
+                got = _read(tier, tier.get, [keys[i] for i in here], layout, [outs[i] for i in here]) if here else []
+                if got is None:
                     continue
                 if here:
                     for i, h in zip(here, got):
@@ -141,11 +152,9 @@ class TieredStore:
             missing = [i for i, v in enumerate(views) if v is None]
             if not missing or len(self.tiers) == 1:
                 return Fetched(views, found, [lease])
-            # Which lower tier has each missing page, asked once per tier before reserving room.
-            names = dict(zip(missing, locate([keys[i] for i in missing], self.tiers[1:])))
-            by_name = {t.name: t for t in self.tiers[1:]}
-            source: dict[int, Tier] = {i: by_name[n] for i, n in names.items() if n is not None}
-            missing = [i for i in missing if i in source]
+            holders = self._holders(keys, missing)  # (asked before reserving room)
+            missing = sorted(i for _, held in holders for i in held)
+            at = {i: j for j, i in enumerate(missing)}
             want = [keys[i] for i in missing]
             session = None
             if self.cfg.store.promote_on_hit:
@@ -159,15 +168,10 @@ class TieredStore:
             else:
                 bufs = [np.empty(layout.payload_bytes, np.uint8) for _ in want]
             headers: list[PageHeader | None] = [None] * len(want)
-            for tier in {id(t): t for t in source.values()}.values():
-                js = [j for j, i in enumerate(missing) if source[i] is tier]
-                try:
-                    got = tier.get([want[j] for j in js], layout, [bufs[j] for j in js])
-                except (LMKVError, OSError) as err:
-                    tier_failed(tier, "read", err)
-                    continue
-                for j, h in zip(js, got):
-                    headers[j] = h
+            for tier, held in holders:
+                got = _read(tier, tier.get, [keys[i] for i in held], layout, [bufs[at[i]] for i in held])
+                for i, h in zip(held, got or ()):
+                    headers[at[i]] = h
             leases = [lease]
             if session is not None:
                 session.commit(headers)
@@ -197,22 +201,14 @@ class TieredStore:
             missing = [i for i, r in enumerate(results) if r is None]
             if not missing or len(self.tiers) == 1:
                 return results
-            where = dict(zip(missing, locate([keys[i] for i in missing], self.tiers[1:])))
             staged = []
-            for tier in self.tiers[1:]:
-                mine = [i for i in missing if where[i] == tier.name]
-                if not mine:
-                    continue
+            for tier, held in self._holders(keys, missing):
                 reader = in_place_reader(tier)
                 if reader is None:
-                    staged.extend(mine)
+                    staged.extend(held)
                     continue
-                try:
-                    got = reader.get_units([keys[i] for i in mine], layout, [units[i] for i in mine])
-                except (LMKVError, OSError) as err:
-                    tier_failed(tier, "read", err)
-                    continue
-                for i, header in zip(mine, got):
+                got = _read(tier, reader.get_units, [keys[i] for i in held], layout, [units[i] for i in held])
+                for i, header in zip(held, got or ()):
                     results[i] = header
             if staged:
                 with self.fetch([keys[i] for i in staged], layout) as fetched:
@@ -221,6 +217,12 @@ class TieredStore:
                             copy_units(layout, view, units[i])
                             results[i] = header
             return results
+
+    def _holders(self, keys: Sequence[PageKey], todo: Sequence[int]) -> list[tuple[Tier, list[int]]]:
+        """Pages ``todo`` of ``keys`` that a lower tier holds, grouped by the fastest one that does
+        (each tier asked once, only about the pages the ones above it lacked)."""
+        where = locate([keys[i] for i in todo], self.tiers[1:])
+        return [(t, held) for t in self.tiers[1:] if (held := [i for i, w in zip(todo, where) if w == t.name])]
 
     # -- writes ------------------------------------------------------------
 

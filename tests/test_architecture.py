@@ -7,6 +7,7 @@ Imports are read from the source (every ``import`` statement, those inside funct
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,32 @@ def test_every_package_is_listed_for_installation():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
     assert packages == listed
+
+
+@pytest.mark.slow
+def test_a_non_editable_install_holds_every_module(tmp_path):
+    """``pip install .`` (not editable) installs every module where its import name says, the
+    kernel source beside the CUDA package; each imports from there."""
+    import json
+    import subprocess
+    import sys
+
+    import shutil
+
+    # built from a copy: a build/ folder left in the checkout would lend the build its stale files
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "models", "__pycache__"))
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "--target", str(site), str(src)],
+                   check=True, timeout=300, capture_output=True)
+    probe = ("import importlib, importlib.resources, json, sys\n"
+             "files = {m: importlib.import_module(m).__file__ for m in sys.argv[1:]}\n"
+             "kernel = importlib.resources.files('lmkv.cuda').joinpath('block_copy.cu').is_file()\n"
+             "print(json.dumps({'files': files, 'kernel': kernel}))\n")
+    out = subprocess.run([sys.executable, "-c", probe, *sorted(MODULES)], check=True, timeout=300,
+                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["kernel"]
+    outside = {m: f for m, f in got["files"].items() if not f.startswith(str(site))}
+    assert not outside, f"imported from outside the installed tree: {outside}"

@@ -65,3 +65,64 @@ def test_faults_name_a_lower_tier():
         TieredStore(load_config({"faults": {"disk": {}}}, environ={}))
     with pytest.raises(ConfigError, match="faults.disk.corrupt_rate"):
         load_config({"faults": {"disk": {"corrupt_rate": 2}}}, environ={})
+
+
+def test_a_fault_on_the_in_place_read_path_is_recomputed(tmp_path):
+    """A waiting request's pages load from a buffered disk tier straight into the engine's blocks
+    (the read path a CPU engine's loads take in production: nothing is staged through memory), with
+    the fault injector in front of it. Injected corruption fails that load: the request is reported
+    for recomputation, its pages' chains for quarantine, and nothing it read counts as loaded."""
+    import torch
+
+    from lmkv.engine.plan import PageOp, StepPlan
+    from lmkv.engine.worker import LayerwiseTransfer
+    from lmkv.keys import ChainHash, page_key
+    from lmkv.layout import attention_layout
+    from lmkv.tiers.base import in_place_reader
+
+    layout = attention_layout("attn", 3, 16, 2, 64, 2, "bfloat16")
+    names = {f"l{i}": (0, i) for i in range(3)}
+    gen = torch.Generator().manual_seed(5)
+    held = [torch.randn(8, 2, 16, 128, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    chains = [ChainHash(bytes([i + 1]) * 16) for i in range(4)]
+    blocks = [6, 1, 4, 2]
+    op = PageOp("r", 0, chains, blocks, list(range(4)))
+    keys = [page_key(c, layout) for c in chains]
+
+    def store(faults: dict | None) -> TieredStore:
+        cfg = {"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "disk"), "io": "buffered"},
+               "store": {"write_policy": "write_through"}}
+        return TieredStore(load_config({**cfg, "faults": {"disk": faults}} if faults else cfg, environ={}))
+
+    with store(None) as st:  # the engine stored these pages (through to disk) before
+        w = LayerwiseTransfer(st, [layout], [held], names)
+        w.begin(StepPlan(stores=[op]))
+        for name in names:
+            w.after_layer(name)
+        w.end()
+        st.drain()
+    for faults in (None, {"corrupt_rate": 1.0, "seed": 1}):
+        with store(faults) as st:  # restarted: memory is empty, the disk tier has the pages
+            assert in_place_reader(st.tiers[1]) is not None
+            empty = [torch.zeros_like(t) for t in held]
+            w = LayerwiseTransfer(st, [layout], [empty], names)
+            w.begin(StepPlan(async_loads=[op]))
+            w.start_loads()
+            done: set[str] = set()
+            failed: set[str] = set()
+            for _ in range(2000):
+                d, f = w.transfer_results(idle=True)
+                done, failed = done | d, failed | f
+                if done:
+                    break
+            w.end()
+            assert done == {"r"}
+            assert not any(st.memory.contains(keys))  # read in place: not staged through memory
+            if faults is None:
+                assert not failed and w.stats.totals.loaded_pages == 4
+                assert all(torch.equal(e[blocks], h[blocks]) for e, h in zip(empty, held))
+            else:
+                assert failed == {"r"}  # the engine recomputes the request
+                assert st.tiers[1].injected["corrupt"] == 4 and st.tiers[1].stats.corrupt == 4
+                assert w.stats.totals.loaded_pages == 0 and w.stats.totals.failed_pages == 4
+                assert sorted(w.take_failed_chains()) == sorted(chains)

@@ -249,10 +249,11 @@ def test_get_units_reads_pages_into_engine_buffers_from_every_tier(tmp_path, lay
         assert promoted == (io == "direct")  # buffered: the page cache is the disk tier's memory
 
 
-def test_get_units_through_a_faulty_tier_stages(tmp_path, layout):
-    """A tier that cannot read in place (here the fault-injecting wrapper) is fetched and copied."""
+def test_get_units_through_a_fault_injector_still_reads_in_place(tmp_path, layout):
+    """The fault wrapper keeps its tier's in-place reads (fault benches and tests run the read path
+    production takes): buffered disk pages land in the engine's buffers without a stop in memory."""
     cfg = {"memory": {"capacity": 8 * layout.payload_bytes, "slab_size": layout.payload_bytes},
-           "disk": {"path": str(tmp_path / "disk")}, "store": {"write_policy": "write_through"},
+           "disk": {"path": str(tmp_path / "disk"), "io": "buffered"}, "store": {"write_policy": "write_through"},
            "faults": {"disk": {"missing_rate": 0.0}}}
     with TieredStore(load_config(cfg, environ={})) as st:
         keys = _prefix_keys(layout, 2)
@@ -263,3 +264,4 @@ def test_get_units_through_a_faulty_tier_stages(tmp_path, layout):
         _, units = _unit_buffers(layout, 2)
         assert all(h is not None for h in st.get_units(keys, layout, units))
         assert all(np.array_equal(_joined(u), p) for u, p in zip(units, payloads))
+        assert not any(st.memory.contains(keys))  # not staged (a staged read promotes)

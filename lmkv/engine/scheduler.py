@@ -3,7 +3,17 @@
 An engine adapter calls this in the engine's scheduler: it asks how many tokens
 of a request lmkv can supply, tells which engine blocks were allocated for
 them, and once per step turns the scheduled requests into a :class:`StepPlan`
-for the workers. Everything is about keys and block ids; no bytes move here.
+for the workers.
+
+Rules of this module:
+
+1. No bytes move here: every decision is keys and block ids. The workers
+   (:mod:`lmkv.engine.worker`) execute the plan; residency is asked of a
+   :class:`Residency` (the store, or a mirror of workers in other processes).
+2. Pages are named by chain hash in plans (each rank makes its own page keys from them:
+   a sharded group's keys carry the rank) and by page key in residency questions.
+3. Every call may come for a request it no longer tracks (finished, aborted): that is a
+   no-op, never an error.
 
 Stores are *eager* by default: every page a step completes is planned for storing in
 that step, unless some tier already holds it, and the workers copy it out of

@@ -60,6 +60,13 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
 Only the danger zone is walked each step (O(depth), not O(blocks)), and only until the
 step's copies are planned. The engine side is the :class:`FreeQueue` protocol;
 :mod:`lmkv.connectors.vllm_pool` implements it on vLLM's ``BlockPool``.
+
+Rules of this module:
+
+1. It decides which blocks are copied and when; it touches neither bytes nor tiers. What
+   lmkv holds it learns only through ``in_tier``; the copies are the workers' (a plan).
+2. It knows blocks by the engine's keys (:data:`~lmkv.keys.EngineBlockKey`) and ids; the
+   scheduler maps them to page keys.
 """
 
 from __future__ import annotations
@@ -151,7 +158,14 @@ class LazyStats:
 
 
 class LazyOffload:
-    """Plans, step by step, which cached blocks in the free queue to copy before they are reused."""
+    """Plans, step by step, which cached blocks in the free queue to copy before they are reused.
+
+    The invariant that keeps a copy from ever storing stale bytes: a block planned in the
+    zone is protected (out of the free queue, in :attr:`inflight`) from :meth:`plan` until
+    :meth:`done`, so the engine cannot hand it out while its copy is pending. Rescued blocks
+    are the exception by construction: the engine has handed them out already, they are never
+    protected or released, and their copy is made before the step's forward writes them.
+    """
 
     def __init__(self, cfg: OffloadConfig, page_bytes: int, in_tier: Callable[[EngineBlockKey], bool]) -> None:
         self.cfg = cfg

@@ -68,6 +68,16 @@ POPULATE_AHEAD = 128 << 20  # the arena is mapped this far beyond the highest sl
 
 
 class MemoryTier(LocalTier):
+    """Pages in one arena, indexed by key; every copy out of a slot holds a pin on it.
+
+    Pins, not copies, keep readers safe: a lease hands out views of the arena itself (an
+    engine load reads them zero-copy), so a page that is evicted, deleted or found corrupt
+    while pinned leaves the index at once (no new reader finds it) but keeps its slot: the
+    slot is freed at its last unpin (``_Entry.deleted``). The invariant is that a slot is in
+    the allocator's free lists only when no index entry and no pin refer to it, so an
+    eviction can never hand a slot to a writer while a copy still reads it.
+    """
+
     def __init__(self, cfg: MemoryConfig, name: str = "memory", on_evict: EvictHook | None = None,
                  shared: bool = False) -> None:
         """``shared``: the arena is a shared-memory window an lmkv server on this host can map."""
