@@ -7,10 +7,15 @@ Imports are read from the source (every ``import`` statement, those inside funct
 from __future__ import annotations
 
 import ast
+import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 #: where each installed package's files live (pyproject.toml's package-dir)
@@ -123,8 +128,6 @@ def test_only_connectors_harnesses_and_the_simulator_import_an_engine(name):
 
 def test_every_package_is_listed_for_installation():
     """A package missing from pyproject.toml breaks only non-editable installs."""
-    import tomllib
-
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
     assert packages == listed
@@ -134,12 +137,6 @@ def test_every_package_is_listed_for_installation():
 def test_a_non_editable_install_holds_every_module(tmp_path):
     """``pip install .`` (not editable) installs every module where its import name says, the
     kernel source beside the CUDA package; each imports from there."""
-    import json
-    import subprocess
-    import sys
-
-    import shutil
-
     # built from a copy: a build/ folder left in the checkout would lend the build its stale files
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "models", "__pycache__"))

@@ -90,16 +90,19 @@ class TestOneEngine:
 
 
 def test_preempted_requests_resume_from_lmkv(model):
-    # 5 requests start with 4 blocks each and grow to 13 in a 40-block KV cache: vLLM must
-    # preempt some; when they resume, the pages they had completed come back from lmkv.
+    """5 requests start with 4 blocks each and grow to 13 in a 40-block KV cache: vLLM must
+    preempt some; when they resume, the pages they had completed come back from lmkv, and the
+    tokens are those of the engine without lmkv under the same load (which recomputes them). Each
+    prompt run alone is no reference: over 300 tokens, batch shapes change vLLM's CPU rounding
+    enough to flip a token (measured: at token 64-164 with or without lmkv)."""
     prompts = [prompt(100, seed=20 + i) for i in range(5)]
     block_bytes = 4 * 2 * 2 * 64 * BLOCK * 2  # layers x (K, V) x kv heads x head size x tokens x bf16
+    with engine(model, lmkv=None, kv_bytes=40 * block_bytes, max_seqs=5, max_len=640) as plain:
+        expected = generate(plain, prompts, max_tokens=300)
     with engine(model, lmkv={"memory": {"capacity": "256MiB"}}, kv_bytes=40 * block_bytes,
                 max_seqs=5, max_len=640) as small:
-        expected = [cold(small, [p], max_tokens=300)[0] for p in prompts]
-        before = loaded(small)
         assert generate(small, prompts, max_tokens=300) == expected
-        assert loaded(small) - before > 0  # distinct prompts: only resumed requests load
+        assert loaded(small) > 0  # distinct prompts: only resumed requests load
 
 
 def test_prefix_caching_off(model):
@@ -257,8 +260,10 @@ def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
         outs = run(e, [p])
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
         assert outs[0].num_cached_tokens == 192
+        # vLLM sizes a hybrid model's attention blocks to line up with its Mamba state pages
+        attention_page = e.llm_engine.vllm_config.cache_config.block_size
         loaded_by_group = sorted(c["loaded_pages"] for c in lmkv_stats(e)["groups"].values())
-        assert loaded_by_group == [1, 2]  # one state, two 96-token attention pages
+        assert loaded_by_group == sorted([1, 192 // attention_page])  # one state, the attention pages
         (store,) = live_stores().values()
         with store.memory.borrow(store.memory.keys()) as lease:
             state_bytes = min(h.payload_len for h in lease.headers)

@@ -24,6 +24,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +102,11 @@ class FaultyTier(Tier):
         self._gate()
         return self.inner.contains(keys)
 
-    def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+    def _read_each(self, keys: Sequence[PageKey], outs: Sequence,
+                   read: Callable[[PageKey, Any], PageHeader | None],
+                   spoil: Callable[[str, PageHeader, Any], None]) -> list[PageHeader | None]:
+        """Read page by page, each drawing its fault: a missing page is not read; a corrupt or
+        short one is read, then damaged by ``spoil``, whose check makes it a miss."""
         self._gate()
         results: list[PageHeader | None] = []
         for key, out in zip(keys, outs):
@@ -111,14 +116,20 @@ class FaultyTier(Tier):
                 self.stats.misses += 1
                 results.append(None)
                 continue
-            (h,) = self.inner.get([key], layout, [out])
+            h = read(key, out)
             if h is not None and kind is not None:
                 try:
-                    self._spoil(kind, out, functools.partial(verify_payload, h, layout, out))
+                    spoil(kind, h, out)
                 except PageError:
                     h = None
             results.append(h)
         return results
+
+    def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        def spoil(kind: str, h: PageHeader, out) -> None:
+            self._spoil(kind, out, functools.partial(verify_payload, h, layout, out))
+
+        return self._read_each(keys, outs, lambda k, out: self.inner.get([k], layout, [out])[0], spoil)
 
     def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         self._gate()
@@ -178,24 +189,11 @@ class FaultyInPlaceTier(FaultyTier, ReadsInPlace):
         return self.reader.reads_in_place
 
     def get_units(self, keys: Sequence[PageKey], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
-        self._gate()
-        results: list[PageHeader | None] = []
-        for key, bufs in zip(keys, units):
-            kind = self._fault()
-            if kind == "missing":
-                self.injected["missing"] += 1
-                self.stats.misses += 1
-                results.append(None)
-                continue
-            (h,) = self.reader.get_units([key], layout, [bufs])
-            if h is not None and kind is not None:
-                try:  # a flipped byte lands in one of the engine's buffers
-                    self._spoil(kind, bufs[self._draw_index(len(bufs))],
-                                functools.partial(verify_unit_buffers, h, layout, bufs))
-                except PageError:
-                    h = None
-            results.append(h)
-        return results
+        def spoil(kind: str, h: PageHeader, bufs: list) -> None:  # a flipped byte lands in one engine buffer
+            target = bufs[self._draw_index(len(bufs))]
+            self._spoil(kind, target, functools.partial(verify_unit_buffers, h, layout, bufs))
+
+        return self._read_each(keys, units, lambda k, bufs: self.reader.get_units([k], layout, [bufs])[0], spoil)
 
 
 def faulty(tier: Tier, spec: FaultSpec) -> FaultyTier:
