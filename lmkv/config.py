@@ -170,6 +170,12 @@ class ServerConfig(_Section):
     max_connections: int = Field(256, ge=1, le=65536, description="clients served at once; more are refused")
     max_bulk: ByteSize = Field(ByteSize(256 << 20), description="largest request or reply body")
     idle_timeout: float = Field(600.0, gt=0, description="seconds a silent client keeps its connection")
+    shared_memory: bool = Field(
+        True, description="serve same-host clients over a Unix domain socket too, where they may pass "
+        "sealed memfds (their staging windows, their memory tier's arena) for bulk bytes")
+    shm_uids: list[int] | None = Field(
+        None, description="uids whose clients may share memory (SO_PEERCRED); unset: the server's own")
+    max_shm: ByteSize = Field(ByteSize(1 << 40), description="largest memfd a client may pass")
 
 
 class FaultSpec(_Section):

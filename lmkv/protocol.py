@@ -108,20 +108,28 @@ class LayoutMsg(msgspec.Struct, array_like=True):
 
 
 class Hello(msgspec.Struct):
+    """The first request on a connection. Over a Unix domain socket, ``window`` and ``arena`` say
+    that the client's sealed memfds follow the frame (:func:`lmkv.shm_window.send`): a staging
+    window for this connection, then its memory tier's arena. Over TCP they are ignored."""
+
     version: int
     namespace: str
     token: str | None = None
-    shm_name: str | None = None  # a staging window for this connection
-    shm_secret: bytes | None = None
-    arena_name: str | None = None  # the client's memory-tier arena, shared
-    arena_secret: bytes | None = None
+    window: bool = False
+    arena: bool = False
 
 
 class HelloReply(msgspec.Struct):
+    """``shm``/``arena``: whether the server mapped the window / the arena. To a client on its
+    host over TCP, the server names its Unix domain socket (an abstract name) and its pid: the
+    client checks the pid against the socket's peer credentials before it passes memory there."""
+
     version: int
     shm: bool
     max_bulk: int
     arena: bool = False
+    unix_socket: str | None = None
+    pid: int | None = None
 
 
 class Keys(msgspec.Struct):

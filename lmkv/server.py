@@ -24,6 +24,7 @@ import itertools
 import logging
 import mmap
 import os
+import secrets
 import signal
 import socket
 import ssl
@@ -90,10 +91,15 @@ def _check_keys(keys: list[bytes]) -> None:
 class Client:
     """One connected client: its namespace, its shared-memory window, its requests."""
 
-    def __init__(self, server: Server, sock: socket.socket, peer: str) -> None:
+    def __init__(self, server: Server, sock: socket.socket, peer: str, unix_uid: int | None = None,
+                 local: bool = False) -> None:
+        """``unix_uid``: the peer's uid (kernel-checked) when it came over the Unix domain socket;
+        ``local``: a TCP peer on this host (it is told where that socket is)."""
         self.server = server
         self.sock = sock
         self.peer = peer
+        self.unix_uid = unix_uid
+        self.local = local
         self.ns_seed: bytes | None = None
         self.ns_tag = ""
         self.window: np.ndarray | None = None  # the connection's staging window
@@ -186,20 +192,43 @@ class Client:
             raise _Fatal("namespace must have 1-256 characters")
         self.ns_seed = xxhash.xxh3_128_digest(b"lmkv-ns\0" + req.namespace.encode())
         self.ns_tag = xxhash.xxh3_64_hexdigest(req.namespace.encode())[:12]
-        self.window = self.attach(req.shm_name, req.shm_secret)
-        self.arena = self.attach(req.arena_name, req.arena_secret)
-        self.reply(HelloReply(PROTOCOL_VERSION, self.window is not None, int(cfg.max_bulk), self.arena is not None))
+        if self.unix_uid is not None:
+            self.window, self.arena = self.receive_windows(req.window, req.arena)
+        unix = self.server.unix_name if self.local else None
+        self.reply(HelloReply(PROTOCOL_VERSION, self.window is not None, int(cfg.max_bulk), self.arena is not None,
+                              unix, os.getpid() if unix else None))
 
-    def attach(self, name: str | None, secret: bytes | None) -> np.ndarray | None:
-        """Map one of the client's shared-memory windows if it is on this host and proves it made it."""
-        if not name or not secret:
-            return None
+    def receive_windows(self, window: bool, arena: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Map the sealed memfds a Unix-socket client passed after HELLO (its staging window, its
+        arena), if its uid may share memory; each one that fails the checks is closed unmapped and
+        its bytes go over the socket. Only descriptors are ever mapped, never a path."""
+        wanted = [w for w in (window, arena) if w]
+        if not wanted:
+            return None, None
         try:
-            m, buf = shm_window.attach(name, secret)
-        except (OSError, ValueError):
-            return None  # another host, or no access: the socket carries the bytes
-        self._maps.append(m)
-        return buf
+            fds = shm_window.receive(self.sock, len(wanted))
+        except ValueError as e:
+            raise _Fatal(str(e)) from None
+        allowed = self.unix_uid in self.server.shm_uids
+        if not allowed:
+            log.info("lmkv serve: %s: uid %s may not share memory (server.shm_uids); using the socket",
+                     self.peer, self.unix_uid)
+        mapped: list[np.ndarray | None] = []
+        for fd in fds:
+            if not allowed:
+                os.close(fd)
+                mapped.append(None)
+                continue
+            try:
+                m, buf = shm_window.attach(fd, int(self.server.cfg.server.max_shm))
+            except (ValueError, OSError) as e:
+                log.info("lmkv serve: %s: not mapping a window it passed (%s)", self.peer, e)
+                mapped.append(None)
+                continue
+            self._maps.append(m)
+            mapped.append(buf)
+        it = iter(mapped)
+        return (next(it) if window else None), (next(it) if arena else None)
 
     def destinations(self, req, page_bytes: int) -> tuple[np.ndarray, list[int]] | None:
         """Where a GET's pages go in shared memory (the arena at ``dst``, or the window in order),
@@ -349,6 +378,16 @@ class Server:
             self._tls.load_cert_chain(sc.tls_cert, sc.tls_key)
         self.sock = socket.create_server((sc.host, sc.port), backlog=128, reuse_port=False)
         self.port = self.sock.getsockname()[1]
+        # Same-host clients: an abstract Unix socket (no file to squat or to chmod), its name
+        # random and told only to clients that reached the TCP port from this host.
+        self.unix: socket.socket | None = None
+        self.unix_name: str | None = None
+        self.shm_uids = set(sc.shm_uids if sc.shm_uids is not None else [os.geteuid()])
+        if sc.shared_memory:
+            self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.unix_name = f"\0lmkv-serve-{os.getpid()}-{secrets.token_hex(8)}"
+            self.unix.bind(self.unix_name)
+            self.unix.listen(128)
         self._metrics_server = None
         if sc.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -360,21 +399,32 @@ class Server:
     def serve_forever(self) -> None:
         log.info("lmkv serve: listening on %s:%d (tiers: %s)", self.cfg.server.host, self.port,
                  ", ".join(t.name for t in self.store.tiers))
-        self.sock.settimeout(0.5)
+        if self.unix is not None:
+            threading.Thread(target=self._accept, args=(self.unix, True), daemon=True,
+                             name="lmkv-serve-unix").start()
+        self._accept(self.sock, False)
+
+    def _accept(self, listener: socket.socket, unix: bool) -> None:
+        listener.settimeout(0.5)
         while not self.stopping.is_set():
             try:
-                conn, addr = self.sock.accept()
+                conn, addr = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 if self.stopping.is_set():
                     break
                 raise
-            threading.Thread(target=self._serve_one, args=(conn, addr), daemon=True,
-                             name=f"lmkv-serve-{addr[0]}:{addr[1]}").start()
+            threading.Thread(target=self._serve_one, args=(conn, addr, unix), daemon=True,
+                             name="lmkv-serve-unix" if unix else f"lmkv-serve-{addr[0]}:{addr[1]}").start()
 
-    def _serve_one(self, conn: socket.socket, addr) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
+    def _serve_one(self, conn: socket.socket, addr, unix: bool = False) -> None:
+        uid = None
+        if unix:
+            pid, uid, _ = shm_window.peer_credentials(conn)
+            peer = f"unix:pid={pid},uid={uid}"
+        else:
+            peer = f"{addr[0]}:{addr[1]}"
         if not self._slots.acquire(blocking=False):
             log.warning("lmkv serve: refusing %s: %d clients connected", peer, self.cfg.server.max_connections)
             try:
@@ -384,15 +434,17 @@ class Server:
             return
         try:
             conn.settimeout(self.cfg.server.idle_timeout)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None:
+            if not unix:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None and not unix:
                 try:
                     conn = self._tls.wrap_socket(conn, server_side=True)
                 except (ssl.SSLError, OSError) as e:
                     log.info("lmkv serve: %s: TLS handshake failed (%s)", peer, e)
                     conn.close()
                     return
-            client = Client(self, conn, peer)
+            client = Client(self, conn, peer, unix_uid=uid,
+                            local=not unix and self.unix_name is not None and is_loopback(addr[0]))
             with self._lock:
                 self._clients.add(client)
             try:
@@ -408,10 +460,12 @@ class Server:
     def stop(self) -> None:
         """Stop accepting, close every client, flush and close the tiers."""
         self.stopping.set()
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        for listener in (self.sock, self.unix):
+            try:
+                if listener is not None:
+                    listener.close()
+            except OSError:
+                pass
         with self._lock:
             clients = list(self._clients)
         for c in clients:

@@ -1,39 +1,43 @@
 """Shared-memory windows: how a client on the server's host moves page bytes without the socket.
 
-A window is an anonymous ``memfd`` the client maps; the server maps the same
-memory through ``/proc/<client pid>/fd/<fd>``, which the kernel lets only the
-same user (or root) open. The client writes a random secret into the first
-:data:`HEADER` bytes and names the window and the secret in ``HELLO``; the
-server maps it only if the secret matches, so a client cannot make the server
-read or write memory it did not create. Nothing lives in a file system: the
-memory goes when the last process holding it does, even after a ``SIGKILL``.
+A window is an anonymous ``memfd`` whose size is sealed (``F_SEAL_SHRINK``, ``F_SEAL_GROW``,
+``F_SEAL_SEAL``: from then on nobody, its creator included, can resize it or unseal it). The
+client creates and seals it, then hands the descriptor itself to the server over a Unix domain
+socket (``SCM_RIGHTS``, :func:`send` / :func:`receive`). The server maps a descriptor only after
+:func:`attach` has checked the seals and the size, so
 
-A client has one window per connection (a staging area for any caller's
-buffers) and may also share its memory tier's arena: pages then move from the
-server's memory straight into the arena slot the engine loads from.
+- it maps exactly memory the client created: no path is ever opened, so a client cannot name
+  another user's file, another process's descriptor, or the server's own log;
+- it can never fault on it: memory that cannot shrink cannot raise ``SIGBUS`` under a copy.
+
+Nothing lives in a file system: the memory goes when the last process holding it does, even
+after a ``SIGKILL``. A client has one window per connection (a staging area for any caller's
+buffers) and may also share its memory tier's arena: pages then move from the server's memory
+straight into the arena slot the engine loads from.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
-import re
-import secrets
+import socket
+import struct
 from dataclasses import dataclass
 
 import numpy as np
 
-HEADER = 4096  # the secret lives here; usable bytes start after it
-_NAME = re.compile(r"/proc/[0-9]{1,10}/fd/[0-9]{1,10}")
+#: the seals a window must carry before a server maps it
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: the byte that carries the descriptors after HELLO (ancillary data needs at least one byte)
+MARKER = b"F"
 
 
 @dataclass
 class Window:
-    name: str  # what the server opens
-    secret: bytes
     fd: int
     map: mmap.mmap
-    buf: np.ndarray  # the usable bytes
+    buf: np.ndarray  # the window's bytes
 
     def close(self) -> None:
         self.buf = np.empty(0, np.uint8)
@@ -47,36 +51,60 @@ class Window:
 
 
 def create(size: int, label: str = "lmkv-window") -> Window:
-    """A new window of ``size`` usable bytes."""
-    fd = os.memfd_create(label, os.MFD_CLOEXEC)
+    """A new sealed window of ``size`` bytes."""
+    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, HEADER + size)
-        m = mmap.mmap(fd, HEADER + size)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        m = mmap.mmap(fd, size)
     except BaseException:
         os.close(fd)
         raise
-    secret = secrets.token_bytes(32)
-    m[: len(secret)] = secret
-    buf = np.frombuffer(m, np.uint8)[HEADER:]
-    return Window(f"/proc/{os.getpid()}/fd/{fd}", secret, fd, m, buf)
+    return Window(fd, m, np.frombuffer(m, np.uint8))
 
 
-def attach(name: str, secret: bytes) -> tuple[mmap.mmap, np.ndarray]:
-    """Map a client's window (ValueError: not a window name, or the secret does not match;
-    OSError: not reachable from here, e.g. the client is on another host)."""
-    if not _NAME.fullmatch(name) or len(secret) < 16:
-        raise ValueError(f"not an lmkv window: {name!r}")
-    fd = os.open(name, os.O_RDWR)
+def attach(fd: int, max_bytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Map a window a client passed; the descriptor is closed either way. ``ValueError``: not a
+    memfd sealed against resizing, or empty, or larger than ``max_bytes``."""
     try:
-        m = mmap.mmap(fd, 0)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # (EINVAL for anything that is not a memfd)
+            raise ValueError("not a memfd") from None
+        if seals & SEALS != SEALS:
+            raise ValueError("a window must be sealed against shrinking, growing and unsealing")
+        size = os.fstat(fd).st_size
+        if not 0 < size <= max_bytes:
+            raise ValueError(f"a window of {size} bytes (at most {max_bytes})")
+        m = mmap.mmap(fd, size)
     finally:
         os.close(fd)
-    buf = np.frombuffer(m, np.uint8)
-    if len(buf) <= HEADER or bytes(buf[: len(secret)]) != secret:
-        del buf
-        m.close()
-        raise ValueError("window secret does not match")
-    return m, buf[HEADER:]
+    return m, np.frombuffer(m, np.uint8)
+
+
+def send(sock: socket.socket, windows: list[Window]) -> None:
+    """Pass the windows' descriptors to the peer (a Unix domain socket), after the message they
+    belong to; no-op without windows."""
+    if windows:
+        socket.send_fds(sock, [MARKER], [w.fd for w in windows])
+
+
+def receive(sock: socket.socket, count: int) -> list[int]:
+    """The ``count`` descriptors the peer sent with :func:`send` (``ValueError`` if it sent other
+    than that). The caller owns them."""
+    data, fds, flags, _ = socket.recv_fds(sock, 1, max(count, 1))
+    if data != MARKER or len(fds) != count or flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"expected {count} descriptors after HELLO, got {len(fds)}")
+    return list(fds)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix domain socket, from the kernel."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
 
 
 def offset_in(window: np.ndarray, arr) -> int | None:

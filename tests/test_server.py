@@ -176,10 +176,11 @@ def test_token_required_off_loopback_and_checked(layout, monkeypatch):
         keys, _, pages = make_pages(layout, 1)
         assert good.put(pages, "engine") == [True]
         bad = _tier(s.url, token="wrong-token")
-        with pytest.raises(RemoteError, match="authentication"):
+        with pytest.raises(TierUnavailableError, match="authentication"):  # refused: the tier is down
             bad.contains(keys)
+        assert not bad.health.up
         none = _tier(s.url)
-        with pytest.raises(RemoteError, match="authentication"):
+        with pytest.raises(TierUnavailableError, match="authentication"):
             none.contains(keys)
         for t in (good, bad, none):
             t.close()

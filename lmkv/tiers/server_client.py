@@ -3,21 +3,27 @@
 A pool of blocking connections, one per concurrent caller (the store's I/O
 threads, a layerwise loader). Page bytes are received with ``recv_into``
 straight into the caller's buffers and sent from the caller's buffers; nothing
-is copied into intermediate ``bytes``. On the server's host each connection
-also gets a shared-memory window (:mod:`lmkv.shm_window`) and bulk bytes cross
-it instead of the socket. A connection that fails is dropped; the next call
-opens a fresh one, so a restarted server is picked up without the engine
-noticing more than a few misses.
+is copied into intermediate ``bytes``. On the server's host (``shm: auto`` and a
+loopback address) the first connection's HELLO names the server's Unix domain socket;
+connections then go there instead, each passing a sealed shared-memory window
+(:mod:`lmkv.shm_window`, and the memory tier's arena when it is shared) whose memory
+the bulk bytes cross instead of the socket. The client first checks that the socket's
+peer is the process that answered on the TCP port. A connection that fails is
+dropped; the next call opens a fresh one, so a restarted server is picked up without
+the engine noticing more than a few misses. A server that refuses HELLO (a wrong
+token, too many clients) is a tier that is down, not an error the engine sees.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -58,38 +64,52 @@ from lmkv.protocol import (
 from lmkv.tiers.base import Range
 from lmkv.tiers.remote import Checked, RemoteTier
 
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UnixEndpoint:
+    """The server's Unix domain socket, and the pid that must be listening on it."""
+
+    name: str
+    pid: int
+
 
 class Connection:
     """One authenticated connection, with its staging window and the shared arena on the server's host."""
 
     def __init__(self, cfg: RemoteConfig, host: str, port: int, tls: bool, namespace: str,
-                 arena: shm_window.Window | None = None) -> None:
+                 arena: shm_window.Window | None = None, unix: UnixEndpoint | None = None) -> None:
+        """Over TCP to ``host:port``, or over ``unix`` (then with shared memory)."""
         self.window: np.ndarray | None = None  # this connection's staging window
         self.arena = False  # whether the server mapped the shared arena
+        self.unix: UnixEndpoint | None = None  # where the server takes same-host connections
+        self.via_unix = unix  # the socket this connection went over (None: TCP)
         self._win: shm_window.Window | None = None
-        sock = socket.create_connection((host, port), timeout=cfg.connect_timeout)
+        sock = _open(cfg, host, port, tls, unix)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(cfg.timeout)
-            if tls:
-                ctx = ssl.create_default_context(cafile=cfg.tls_ca)
-                if not cfg.tls_verify:
-                    ctx.check_hostname = False
-                    ctx.verify_mode = ssl.CERT_NONE
-                sock = ctx.wrap_socket(sock, server_hostname=host)
             self.sock = sock
             self.max_bulk = 1 << 20
-            if cfg.shm == "auto" and is_loopback(host):
+            shared: list[shm_window.Window] = []
+            if unix is not None:
                 try:
                     self._win = shm_window.create(int(cfg.shm_size))
+                    shared.append(self._win)
                 except OSError:
                     self._win = None
-            hello = Hello(PROTOCOL_VERSION, namespace, cfg.token,
-                          self._win.name if self._win else None, self._win.secret if self._win else None,
-                          arena.name if arena else None, arena.secret if arena else None)
-            rep = self.call(Op.HELLO, hello, HelloReply)
+                if arena is not None:
+                    shared.append(arena)
+            hello = Hello(PROTOCOL_VERSION, namespace, cfg.token, window=self._win is not None,
+                          arena=unix is not None and arena is not None)
+            self.send(Op.HELLO, hello)
+            shm_window.send(sock, shared)
+            rep, bulk = self.reply(HelloReply)
+            if bulk:
+                raise ProtocolError(f"unexpected {bulk}-byte bulk in a HELLO reply")
             self.max_bulk = rep.max_bulk
             self.arena = rep.arena
+            if rep.unix_socket and rep.pid:
+                self.unix = UnixEndpoint(rep.unix_socket, rep.pid)
             if rep.shm and self._win is not None:
                 self.window = self._win.buf
             elif self._win is not None:
@@ -131,6 +151,37 @@ class Connection:
             self._win.close()
 
 
+def _open(cfg: RemoteConfig, host: str, port: int, tls: bool, unix: UnixEndpoint | None) -> socket.socket:
+    """A connected socket: to ``unix`` (checking that its peer is the server's pid), or TCP."""
+    if unix is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(cfg.connect_timeout)
+            sock.connect(unix.name)
+            pid = shm_window.peer_credentials(sock)[0]
+            if pid != unix.pid:
+                raise ProtocolError(f"the server's Unix socket is held by pid {pid}, not {unix.pid}")
+            sock.settimeout(cfg.timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    sock = socket.create_connection((host, port), timeout=cfg.connect_timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(cfg.timeout)
+        if tls:
+            ctx = ssl.create_default_context(cafile=cfg.tls_ca)
+            if not cfg.tls_verify:
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            sock = ctx.wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def parse_url(url: str) -> tuple[str, int, bool]:
     parts = urlsplit(url)
     if not parts.hostname or not parts.port:
@@ -148,6 +199,7 @@ class ServerTier(RemoteTier):
         self._slots = threading.BoundedSemaphore(cfg.max_connections)
         self._layouts: dict[int, LayoutMsg] = {}
         self._arena: shm_window.Window | None = None
+        self._unix: UnixEndpoint | None = None  # learned from a TCP HELLO; forgotten when it fails
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"lmkv-{name}-verify")
 
     @property
@@ -167,7 +219,7 @@ class ServerTier(RemoteTier):
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                conn = Connection(self.cfg, self.host, self.port, self.tls, self.namespace, self._arena)
+                conn = self._connect()
             yield conn
         except RemoteError:
             raise  # the server refused this request; the connection is fine
@@ -182,10 +234,41 @@ class ServerTier(RemoteTier):
                 conn = None
             raise
         finally:
-            if conn is not None:
+            if conn is not None and conn.via_unix is None and self._unix is not None:
+                conn.close()  # a same-host TCP connection retires: the next one shares memory
+            elif conn is not None:
                 with self._lock:
                     self._idle.append(conn)
             self._slots.release()
+
+    def _connect(self) -> Connection:
+        """A new connection: over the server's Unix socket when it is on this host (shared memory),
+        else TCP. A refused HELLO means the server is unavailable to this client."""
+        try:
+            if self._unix is not None:
+                try:
+                    return self._open(self._unix)
+                except (OSError, ProtocolError):
+                    self._unix = None  # a restarted server has another socket: ask over TCP again
+            conn = self._open(None)
+            if conn.unix is None or not self.wants_arena:
+                return conn
+            try:
+                upgraded = self._open(conn.unix)
+            except (OSError, ProtocolError) as err:
+                log.info("lmkv: %s: its Unix socket is not usable (%s); staying on TCP", self.name, err)
+                return conn
+            except RemoteError:  # refused for now (full: this TCP connection holds a slot)
+                self._unix = conn.unix  # connections made later go there; this one retires after use
+                return conn
+            self._unix = conn.unix
+            conn.close()
+            return upgraded
+        except RemoteError as err:
+            raise TierUnavailableError(f"{self.name} {self.host}:{self.port} refused the connection: {err}") from err
+
+    def _open(self, unix: UnixEndpoint | None) -> Connection:
+        return Connection(self.cfg, self.host, self.port, self.tls, self.namespace, self._arena, unix)
 
     def _layout_msg(self, layout: GroupLayout) -> LayoutMsg:
         msg = self._layouts.get(layout.fingerprint)

@@ -1,0 +1,212 @@
+"""``lmkv serve`` against hostile clients on its own host: what a client can make the server map,
+and what happens to an engine when the server refuses it. Real ``lmkv serve`` processes on
+loopback; a second uid through ``setpriv`` where the tests run as root."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import msgspec
+import numpy as np
+import pytest
+from conftest import make_pages
+
+from lmkv import shm_window
+from lmkv.config import RemoteConfig, load_config
+from lmkv.dev.server_process import spawn
+from lmkv.protocol import Empty, Get, HelloReply, LayoutMsg, Op, decode_reply, encode, frame, read_frame
+from lmkv.store import TieredStore
+from lmkv.tiers.server_client import ServerTier
+
+OTHER_UID = 65534  # nobody
+
+
+@pytest.fixture(scope="module")
+def server():
+    with spawn("--memory", "256MiB") as s:
+        yield s
+
+
+def _hello(sock: socket.socket, **fields) -> HelloReply:
+    """HELLO with whatever fields a client chooses to send (msgpack map: unknown ones included)."""
+    sock.sendall(frame(Op.HELLO, msgspec.msgpack.encode({"version": 1, "namespace": "default", **fields})))
+    status, meta, _ = read_frame(sock, 1 << 20)
+    assert status == 0, meta
+    return decode_reply(meta, HelloReply)
+
+
+def _tcp(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+
+def _unix(name: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(name)
+    return s
+
+
+def test_the_server_never_opens_a_path_a_client_names(server, tmp_path, layout):
+    """The old attack: name another process's descriptor (or any file) as a window, with its first
+    bytes as the "secret", then GET a page into that window. The server must not map it: the GET
+    is refused and the file keeps its bytes."""
+    keys, _, pages = make_pages(layout, 1)
+    writer = ServerTier(RemoteConfig(url=server.url, shm="never"))
+    assert writer.put(pages, "engine") == [True]
+    writer.close()
+    victim = tmp_path / "root-only"
+    victim.write_bytes(os.urandom(1 << 20))
+    victim.chmod(0o600)
+    before = victim.read_bytes()
+    fd = os.open(victim, os.O_RDWR)
+    try:
+        with _tcp(server) as s:
+            name = f"/proc/{os.getpid()}/fd/{fd}"
+            rep = _hello(s, shm_name=name, shm_secret=before[:32], arena_name=name, arena_secret=before[:32],
+                         window=True)
+            assert not rep.shm and not rep.arena
+            s.sendall(frame(Op.GET, encode(Get(list(keys), LayoutMsg.of(layout), None, True))))
+            status, meta, _ = read_frame(s, 1 << 20)
+            assert status == 1 and b"no shared-memory window" in meta
+    finally:
+        os.close(fd)
+    assert victim.read_bytes() == before
+
+
+def test_tcp_clients_never_get_shared_memory(server):
+    """Over TCP the window flags mean nothing: no descriptor is read, the reply maps nothing, and a
+    client on this host is told where the Unix socket is."""
+    with _tcp(server) as s:
+        rep = _hello(s, window=True, arena=True)
+        assert not rep.shm and not rep.arena
+        assert rep.unix_socket and rep.unix_socket.startswith("\0lmkv-serve-") and rep.pid == server.proc.pid
+        s.sendall(frame(Op.PING, encode(Empty())))
+        assert read_frame(s, 1 << 20)[0] == 0  # nothing was waiting for descriptors
+
+
+def _socket_name(server) -> str:
+    with _tcp(server) as s:
+        rep = _hello(s)
+    assert rep.unix_socket
+    return rep.unix_socket
+
+
+def test_only_sealed_memfds_are_mapped_and_they_cannot_shrink(server):
+    """A client that could shrink its memory after HELLO would kill the server (SIGBUS). Only
+    memfds sealed against resizing are mapped; an unsealed one, or a plain file, is closed unmapped
+    (the socket carries the bytes); a sealed one cannot be shrunk."""
+    name = _socket_name(server)
+    unsealed = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, 1 << 20)
+    with _unix(name) as s:
+        s.sendall(frame(Op.HELLO, encode({"version": 1, "namespace": "default", "window": True})))
+        socket.send_fds(s, [shm_window.MARKER], [unsealed])
+        status, meta, _ = read_frame(s, 1 << 20)
+        assert status == 0 and not decode_reply(meta, HelloReply).shm
+        os.ftruncate(unsealed, 0)  # the attack: the server must not have this mapped
+        s.sendall(frame(Op.PING, encode(Empty())))
+        assert read_frame(s, 1 << 20)[0] == 0
+    os.close(unsealed)
+    sealed = shm_window.create(1 << 20)
+    with pytest.raises(PermissionError):
+        os.ftruncate(sealed.fd, 0)
+    with _unix(name) as s:
+        s.sendall(frame(Op.HELLO, encode({"version": 1, "namespace": "default", "window": True})))
+        shm_window.send(s, [sealed])
+        status, meta, _ = read_frame(s, 1 << 20)
+        assert status == 0 and decode_reply(meta, HelloReply).shm
+    sealed.close()
+    with _unix(name) as s:  # the server lives on
+        _hello(s)
+
+
+def test_a_client_whose_socket_is_not_the_servers_stays_on_tcp(server, layout):
+    """The pid the TCP port answered with must hold the Unix socket: a client refuses to pass its
+    memory to any other process (here: a socket of its own under that name)."""
+    from lmkv.tiers.server_client import UnixEndpoint
+
+    t = ServerTier(RemoteConfig(url=server.url, shm="auto"))
+    with pytest.raises(Exception, match="held by pid"):
+        t._open(UnixEndpoint(_socket_name(server), server.proc.pid + 1))
+    t.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+@pytest.mark.parametrize("allowed", [False, True])
+def test_another_uid_shares_memory_only_if_allowed(tmp_path, layout, allowed):
+    """A client of another uid (kernel-checked on the Unix socket) gets no shared memory unless
+    ``server.shm_uids`` names it; its pages still move, over the socket."""
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"server:\n  shm_uids: [0, {OTHER_UID}]\n" if allowed else "server: {}\n")
+    with spawn("--memory", "64MiB", "--file", str(cfg)) as s:
+        keys, payloads, pages = make_pages(layout, 2)
+        t = ServerTier(RemoteConfig(url=s.url, shm="never"))
+        assert all(t.put(pages, "engine"))
+        t.close()
+        probe = (
+            "import json, sys, numpy as np\n"
+            "from lmkv.config import RemoteConfig\n"
+            "from lmkv.layout import attention_layout\n"
+            "from lmkv.tiers.server_client import ServerTier\n"
+            "lay = attention_layout(*json.loads(sys.argv[2]))\n"
+            "t = ServerTier(RemoteConfig(url=sys.argv[1], shm='auto'))\n"
+            "keys = [bytes.fromhex(k) for k in json.loads(sys.argv[3])]\n"
+            "outs = [np.zeros(lay.payload_bytes, np.uint8) for _ in keys]\n"
+            "got = t.get(keys, lay, outs)\n"
+            "with t._conn() as c:\n"
+            "    print(json.dumps({'unix': t._unix is not None, 'window': c.window is not None,\n"
+            "                      'loaded': [h is not None for h in got],\n"
+            "                      'sums': [int(o.sum()) for o in outs]}))\n"
+        )
+        spec = json.dumps(["attn", 4, 32, 2, 64, 2, "bfloat16"])  # (the layout fixture)
+        out = subprocess.run(
+            ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
+             sys.executable, "-c", probe, s.url, spec, json.dumps([k.hex() for k in keys])],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+            env={**os.environ, "HOME": str(tmp_path)},
+        )
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["unix"] and got["window"] == allowed
+        assert got["loaded"] == [True, True]
+        assert got["sums"] == [int(p.sum()) for p in payloads]
+
+
+def test_an_engine_starts_while_the_server_refuses_it(layout):
+    """A server that refuses HELLO (here: full) is a tier that is down: the store opens, serves from
+    its other tiers, and picks the server up once it accepts again."""
+    with spawn("--memory", "64MiB", env={"LMKV_SERVER__MAX_CONNECTIONS": "1"}) as s:
+        holder = ServerTier(RemoteConfig(url=s.url, shm="never"))
+        keys, _, pages = make_pages(layout, 2)
+        assert all(holder.put(pages, "engine"))
+        with holder._conn():  # the one connection the server takes
+            store = TieredStore(load_config({"memory": {"capacity": "16MiB"}, "remote": {"url": s.url}},
+                                            environ={}))
+            assert store.lookup(keys).pages == 0  # refused: a miss, not an error
+            assert not store.tiers[-1].health.up
+        holder.close()  # (its pooled connection held the server's one slot)
+        deadline = time.monotonic() + 20
+        while store.lookup(keys).pages != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert store.lookup(keys).pages == 2
+        store.close()
+
+
+def test_window_memory_is_the_clients_own(server, layout):
+    """Bulk bytes through the window are the client's pages, nothing else: a round trip over the
+    Unix socket with shared memory returns exactly what was stored."""
+    t = ServerTier(RemoteConfig(url=server.url, shm="auto"))
+    keys, payloads, pages = make_pages(layout, 3)
+    assert all(t.put(pages, "engine"))
+    with t._conn() as c:
+        assert c.window is not None and t._unix is not None
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+    assert all(h is not None for h in t.get(keys, layout, outs))
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    t.close()
