@@ -23,6 +23,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
+from lmkv.domains import DOMAIN_PATTERN, NAMESPACE_PATTERN
+
 ENV_PREFIX = "LMKV_"
 ENV_NESTING = "__"
 #: LMKV_* variables that are not settings: the config file, and where generated models live
@@ -170,6 +172,11 @@ class ServerConfig(_Section):
     max_connections: int = Field(256, ge=1, le=65536, description="clients served at once; more are refused")
     max_bulk: ByteSize = Field(ByteSize(256 << 20), description="largest request or reply body")
     idle_timeout: float = Field(600.0, gt=0, description="seconds a silent client keeps its connection")
+    hello_timeout: float = Field(5.0, gt=0, description="seconds a new connection has to authenticate, in all")
+    max_unauthenticated: int = Field(32, ge=1, le=65536, description="connections not yet authenticated, at once")
+    max_per_peer: int = Field(128, ge=1, le=65536, description="connections from one address (or one uid locally)")
+    payload_timeout: float = Field(
+        10.0, gt=0, description="seconds a PUT's pages have to arrive, in all, once its header did")
     shared_memory: bool = Field(
         True, description="serve same-host clients over a Unix domain socket too, where they may pass "
         "sealed memfds (their staging windows, their memory tier's arena) for bulk bytes")
@@ -192,8 +199,8 @@ class FaultSpec(_Section):
 class LMKVConfig(_Section):
     """Everything lmkv reads. Engine adapters add the model identity themselves."""
 
-    namespace: str = Field("default", min_length=1, max_length=256, description="tenant; part of every key")
-    domain: str = Field("engine", min_length=1, max_length=256,
+    namespace: str = Field("default", pattern=NAMESPACE_PATTERN, description="tenant; part of every key")
+    domain: str = Field("engine", pattern=DOMAIN_PATTERN,
                         description="residency domain that owns what this process stores")
     model_id: str | None = Field(None, description="model identity for keys; engines fill it in")
     load_mode: Literal["auto", "layerwise", "async"] = Field(

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import re
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+DOMAIN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+#: namespaces (tenants) are qualified into keys and domains, never into paths: printable ASCII
+NAMESPACE_PATTERN = r"^[\x21-\x7e]{1,256}$"
+_NAME = re.compile(DOMAIN_PATTERN)
+_NAMESPACE = re.compile(NAMESPACE_PATTERN)
 
 
 def check_domain(name: str) -> str:
@@ -21,6 +25,23 @@ def check_domain(name: str) -> str:
             f"residency domain {name!r}: expected 1-64 characters of letters, digits, '.', '_', '-'"
         )
     return name
+
+
+def check_namespace(name: str) -> str:
+    """A namespace: 1-256 printable ASCII characters, no spaces; rejected, never truncated."""
+    if not isinstance(name, str) or not _NAMESPACE.fullmatch(name):
+        raise ValueError(f"namespace {name!r}: expected 1-256 printable ASCII characters without spaces")
+    return name
+
+
+def qualified(prefix: str, name: str) -> str:
+    """``name`` qualified by ``prefix`` (a tenant's tag), as a domain name itself; a name too long to
+    qualify is rejected, never truncated (two long names must not become one)."""
+    check_domain(name)
+    full = f"{prefix}.{name}"
+    if not _NAME.fullmatch(full):
+        raise ValueError(f"residency domain {name!r}: at most {63 - len(prefix)} characters here")
+    return full
 
 
 class DomainRegistry:

@@ -218,11 +218,17 @@ def units_of_layers(layout: GroupLayout, layers: Iterable[int]) -> list[int]:
 
 
 def units_in_ranges(layout: GroupLayout, ranges: Iterable[tuple[int, int]]) -> list[int]:
-    """Unit indices covered by byte ranges; a range must start and end on unit boundaries."""
+    """Unit indices covered by byte ranges; a range must start and end on unit boundaries, and the
+    ranges come in increasing order without overlapping: each unit is named at most once, so what
+    ranges expand to is bounded by the page (a peer's request cannot multiply it)."""
     bounds = unit_ranges(layout)
     starts = {start: u for u, (start, _) in enumerate(bounds)}
     out: list[int] = []
+    prev_end = 0
     for start, end in ranges:
+        if start < prev_end:
+            raise ValueError(f"range [{start}, {end}) overlaps or precedes the range before it")
+        prev_end = end
         u = starts.get(start)
         if u is None or not start < end <= layout.payload_bytes:
             raise ValueError(f"range [{start}, {end}) does not start on a unit of group {layout.name!r}")

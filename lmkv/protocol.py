@@ -27,6 +27,7 @@ import enum
 import ipaddress
 import socket
 import struct
+import time
 
 import msgspec
 
@@ -205,6 +206,8 @@ def decode_request(op: int, meta: bytes):
         return dec.decode(meta)
     except msgspec.DecodeError as e:
         raise ValueError(f"bad {Op(op).name} request: {e}") from None
+    except RecursionError:  # metadata nested deeper than any request is
+        raise ValueError(f"bad {Op(op).name} request: nested too deeply") from None
 
 
 def decode_reply(meta: bytes, typ: type):
@@ -221,11 +224,17 @@ def frame(op_or_status: int, meta: bytes, bulk_len: int = 0) -> bytes:
     return FRAME.pack(MAGIC, op_or_status, len(meta), bulk_len) + meta
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket; a closed peer mid-way is a ProtocolError."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from the socket; a closed peer mid-way is a ProtocolError. ``deadline`` (a
+    ``time.monotonic()`` instant): all of it by then, however the bytes trickle in (``TimeoutError``)."""
     got = 0
     n = len(view)
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {n} bytes arrived in time")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise (PeerClosed if got == 0 else ProtocolError)(f"connection closed after {got} of {n} bytes")

@@ -29,13 +29,16 @@ import signal
 import socket
 import ssl
 import threading
+import time
+from collections import OrderedDict
 
 import numpy as np
 import xxhash
 
 from lmkv import shm_window
+from lmkv.admission import AuthFailures, PeerCounts
 from lmkv.config import ConfigError, LMKVConfig
-from lmkv.domains import check_domain
+from lmkv.domains import check_namespace, qualified
 from lmkv.errors import LMKVError, PageError, TierFullError
 from lmkv.keys import KEY_BYTES, PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
@@ -91,13 +94,17 @@ def _check_keys(keys: list[bytes]) -> None:
 class Client:
     """One connected client: its namespace, its shared-memory window, its requests."""
 
-    def __init__(self, server: Server, sock: socket.socket, peer: str, unix_uid: int | None = None,
-                 local: bool = False) -> None:
-        """``unix_uid``: the peer's uid (kernel-checked) when it came over the Unix domain socket;
-        ``local``: a TCP peer on this host (it is told where that socket is)."""
+    def __init__(self, server: Server, sock: socket.socket, peer: str, origin: str, pending_key: int,
+                 unix_uid: int | None = None, local: bool = False) -> None:
+        """``origin``: what admission counts it under (its address, or its uid locally); ``unix_uid``:
+        the peer's uid (kernel-checked) when it came over the Unix domain socket; ``local``: a TCP
+        peer on this host (it is told where that socket is)."""
         self.server = server
         self.sock = sock
         self.peer = peer
+        self.origin = origin
+        self.pending_key = pending_key  # (the server's key for it while it is not authenticated)
+        self.authenticated = False
         self.unix_uid = unix_uid
         self.local = local
         self.ns_seed: bytes | None = None
@@ -114,11 +121,11 @@ class Client:
         return PageKey(xxhash.xxh3_128_digest(self.ns_seed + key))
 
     def domain(self, name: str) -> str:
+        """The client's residency domain qualified by its namespace (too long: refused)."""
         try:
-            check_domain(name)
+            return qualified(self.ns_tag, name)
         except ValueError as e:
             raise _Refused(str(e)) from None
-        return f"{self.ns_tag}.{name}"[:64]
 
     def reply(self, obj, bulk_len: int = 0) -> None:
         self.sock.sendall(frame(0, encode(obj), bulk_len))
@@ -187,13 +194,17 @@ class Client:
         if req.version != PROTOCOL_VERSION:
             raise _Fatal(f"protocol version {req.version}; this server speaks {PROTOCOL_VERSION}")
         if cfg.token is not None and not hmac.compare_digest((req.token or "").encode(), cfg.token.encode()):
+            time.sleep(self.server.auth_failures.failed(self.origin, "wrong token" if req.token else "no token"))
             raise _Fatal("authentication failed")
-        if not 0 < len(req.namespace) <= 256:
-            raise _Fatal("namespace must have 1-256 characters")
+        try:
+            check_namespace(req.namespace)
+        except ValueError as e:
+            raise _Fatal(str(e)) from None
         self.ns_seed = xxhash.xxh3_128_digest(b"lmkv-ns\0" + req.namespace.encode())
         self.ns_tag = xxhash.xxh3_64_hexdigest(req.namespace.encode())[:12]
         if self.unix_uid is not None:
             self.window, self.arena = self.receive_windows(req.window, req.arena)
+        self.server.admit(self)
         unix = self.server.unix_name if self.local else None
         self.reply(HelloReply(PROTOCOL_VERSION, self.window is not None, int(cfg.max_bulk), self.arena is not None,
                               unix, os.getpid() if unix else None))
@@ -327,6 +338,9 @@ class Client:
             discard(self.sock, bulk)
             self.reply(Stored([False] * len(headers)))
             return
+        # The pages' room is reserved now: they must arrive soon, or the reservation is dropped
+        # (the connection with it) instead of holding room for the idle timeout.
+        deadline = time.monotonic() + self.server.cfg.server.payload_timeout
         with session:
             for i, h in enumerate(headers):
                 dst = session.buffer(i)
@@ -334,8 +348,9 @@ class Client:
                     mem, offsets = src
                     dst[:] = mem[offsets[i] : offsets[i] + h.payload_len]
                 else:
-                    recv_exact(self.sock, memoryview(dst))
+                    recv_exact(self.sock, memoryview(dst), deadline)
             stored = session.commit(inner)
+        self.sock.settimeout(self.server.cfg.server.idle_timeout)
         self.reply(Stored(stored))
 
     def close(self) -> None:
@@ -370,6 +385,10 @@ class Server:
         self.store = TieredStore(cfg)
         self.stopping = threading.Event()
         self._slots = threading.BoundedSemaphore(sc.max_connections)
+        # connections not authenticated yet, oldest first (id of the raw socket -> it, its peer)
+        self._pending: OrderedDict[int, tuple[socket.socket, str]] = OrderedDict()
+        self._peers = PeerCounts(sc.max_per_peer)
+        self.auth_failures = AuthFailures()
         self._clients: set[Client] = set()
         self._lock = threading.Lock()
         self._tls: ssl.SSLContext | None = None
@@ -419,43 +438,108 @@ class Server:
                              name="lmkv-serve-unix" if unix else f"lmkv-serve-{addr[0]}:{addr[1]}").start()
 
     def _serve_one(self, conn: socket.socket, addr, unix: bool = False) -> None:
+        """One connection, through admission (:mod:`lmkv.admission`): a per-peer count, an
+        unauthenticated slot with a deadline for HELLO, then a client slot once HELLO succeeded."""
+        sc = self.cfg.server
         uid = None
         if unix:
             pid, uid, _ = shm_window.peer_credentials(conn)
-            peer = f"unix:pid={pid},uid={uid}"
+            peer, origin = f"unix:pid={pid},uid={uid}", f"uid:{uid}"
         else:
-            peer = f"{addr[0]}:{addr[1]}"
-        if not self._slots.acquire(blocking=False):
-            log.warning("lmkv serve: refusing %s: %d clients connected", peer, self.cfg.server.max_connections)
-            try:
-                conn.sendall(frame(1, encode(ErrorReply("server full: too many connections"))))
-            finally:
-                conn.close()
+            peer, origin = f"{addr[0]}:{addr[1]}", addr[0]
+        if not self._peers.enter(origin):
+            self._refuse(conn, peer, f"too many connections from {origin}")
             return
         try:
-            conn.settimeout(self.cfg.server.idle_timeout)
-            if not unix:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None and not unix:
-                try:
-                    conn = self._tls.wrap_socket(conn, server_side=True)
-                except (ssl.SSLError, OSError) as e:
-                    log.info("lmkv serve: %s: TLS handshake failed (%s)", peer, e)
-                    conn.close()
-                    return
-            client = Client(self, conn, peer, unix_uid=uid,
-                            local=not unix and self.unix_name is not None and is_loopback(addr[0]))
-            with self._lock:
-                self._clients.add(client)
+            raw = conn
+            self._await_hello(raw, peer)
+            holder: list[Client] = []
+            timer = threading.Timer(sc.hello_timeout, self._expire, (raw, holder, peer))
+            timer.daemon = True
+            timer.start()
             try:
-                client.serve()
-            except LMKVError:
-                log.exception("lmkv serve: %s: request failed", peer)
-            finally:
+                conn.settimeout(sc.hello_timeout)
+                if not unix:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._tls is not None and not unix:
+                    try:
+                        conn = self._tls.wrap_socket(conn, server_side=True)
+                    except (ssl.SSLError, OSError) as e:
+                        log.info("lmkv serve: %s: TLS handshake failed (%s)", peer, e)
+                        conn.close()
+                        return
+                client = Client(self, conn, peer, origin, id(raw), unix_uid=uid,
+                                local=not unix and self.unix_name is not None and is_loopback(addr[0]))
+                holder.append(client)
                 with self._lock:
-                    self._clients.discard(client)
+                    self._clients.add(client)
+                try:
+                    client.serve()
+                except LMKVError:
+                    log.exception("lmkv serve: %s: request failed", peer)
+                finally:
+                    with self._lock:
+                        self._clients.discard(client)
+            finally:
+                timer.cancel()
+                if holder and holder[0].authenticated:
+                    self._slots.release()
+                else:
+                    self._drop_pending_key(id(raw))
         finally:
-            self._slots.release()
+            self._peers.leave(origin)
+
+    def admit(self, client: Client) -> None:
+        """HELLO succeeded: the connection trades its unauthenticated slot for a client slot."""
+        if not self._slots.acquire(blocking=False):
+            log.warning("lmkv serve: refusing %s: %d clients connected", client.peer, self.cfg.server.max_connections)
+            raise _Fatal("server full: too many connections")
+        client.authenticated = True
+        self._drop_pending_key(client.pending_key)
+        client.sock.settimeout(self.cfg.server.idle_timeout)
+
+    def _await_hello(self, raw: socket.socket, peer: str) -> None:
+        """Count a new connection as unauthenticated; when too many are, the oldest goes: a client
+        that authenticates does so in milliseconds, so connections held open without HELLO can
+        never keep new clients out (refusing the newest would)."""
+        evicted = None
+        with self._lock:
+            if len(self._pending) >= self.cfg.server.max_unauthenticated:
+                _, evicted = self._pending.popitem(last=False)
+            self._pending[id(raw)] = (raw, peer)
+        if evicted is not None:
+            log.info("lmkv serve: %d connections await authentication; closing the oldest, %s",
+                     self.cfg.server.max_unauthenticated, evicted[1])
+            try:
+                evicted[0].shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _drop_pending_key(self, key: int) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+
+    @staticmethod
+    def _expire(raw: socket.socket, holder: list[Client], peer: str) -> None:
+        """The HELLO deadline passed: a connection still not authenticated is cut off (however
+        slowly its bytes trickled in)."""
+        if not (holder and holder[0].authenticated):
+            log.info("lmkv serve: %s did not authenticate in time; closing it", peer)
+            try:
+                raw.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    @staticmethod
+    def _refuse(conn: socket.socket, peer: str, why: str) -> None:
+        log.warning("lmkv serve: refusing %s: %s", peer, why)
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(frame(1, encode(ErrorReply(why))))
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def stop(self) -> None:
         """Stop accepting, close every client, flush and close the tiers."""

@@ -210,3 +210,125 @@ def test_window_memory_is_the_clients_own(server, layout):
     assert all(h is not None for h in t.get(keys, layout, outs))
     assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
     t.close()
+
+
+def _serve(tmp_path, **server) -> object:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(json.dumps({"server": server}))  # (YAML reads JSON)
+    return spawn("--memory", "64MiB", "--file", str(cfg))
+
+
+def test_half_open_connections_never_lock_a_client_out(tmp_path, layout):
+    """256 connections that never say HELLO, held open: a normal client still connects and works
+    (the oldest unauthenticated connections are closed to make room, not the newest refused)."""
+    with _serve(tmp_path, max_unauthenticated=16, max_connections=64) as s:
+        held = [socket.create_connection(("127.0.0.1", s.port), timeout=10) for _ in range(256)]
+        try:
+            t = ServerTier(RemoteConfig(url=s.url, shm="never"))
+            keys, _, pages = make_pages(layout, 2)
+            assert all(t.put(pages, "engine")) and t.contains(keys) == [True, True]
+            t.close()
+        finally:
+            for h in held:
+                h.close()
+
+
+def test_hello_has_a_deadline_however_slowly_it_trickles(tmp_path):
+    """A client that sends its HELLO one byte at a time is cut off at the deadline, not kept for
+    the idle timeout."""
+    with _serve(tmp_path, hello_timeout=1.0) as s, _tcp(s) as c:
+        hello = frame(Op.HELLO, msgspec.msgpack.encode({"version": 1, "namespace": "default"}))
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # the server closed it: a later send fails
+            for i in range(50):  # 10 bytes a second: the whole HELLO would take 3 s
+                c.send(hello[i % len(hello) : i % len(hello) + 1])
+                time.sleep(0.1)
+        assert time.monotonic() - t0 < 4
+
+
+def test_connections_per_peer_are_capped(tmp_path):
+    with _serve(tmp_path, max_per_peer=4) as s:
+        mine = [_tcp(s) for _ in range(4)]
+        for c in mine:
+            _hello(c)
+        with _tcp(s) as fifth:
+            status, meta, _ = read_frame(fifth, 1 << 20)
+            assert status == 1 and b"too many connections from 127.0.0.1" in meta
+        for c in mine:
+            c.close()
+
+
+def test_wrong_tokens_are_answered_slower_and_slower(tmp_path):
+    """Guessing a token costs time: each failure from a peer waits twice as long as the last."""
+    with _serve(tmp_path, token="correct-horse-battery") as s:
+        t0 = time.monotonic()
+        for _ in range(3):
+            with _tcp(s) as c:
+                c.sendall(frame(Op.HELLO, encode({"version": 1, "namespace": "default", "token": "guess"})))
+                status, meta, _ = read_frame(c, 1 << 20)
+                assert status == 1 and b"authentication failed" in meta
+        assert time.monotonic() - t0 >= 0.25 + 0.5 + 1.0 - 0.1
+        with _tcp(s) as c:  # the right token is not slowed
+            t1 = time.monotonic()
+            _hello(c, token="correct-horse-battery")
+            assert time.monotonic() - t1 < 0.25
+
+
+def test_a_put_whose_pages_never_come_releases_its_room(tmp_path, layout):
+    """A PUT reserves room for its pages when its header arrives; if they do not follow within
+    the payload deadline the connection is closed and the room is free again."""
+    from lmkv.page import make_header
+    from lmkv.protocol import Put, Stats
+
+    with _serve(tmp_path, payload_timeout=1.0) as s:
+        keys, payloads, _ = make_pages(layout, 4)
+        headers = [make_header(k, layout, p).pack() for k, p in zip(keys, payloads)]
+        with _tcp(s) as c:
+            _hello(c)
+            c.sendall(frame(Op.PUT, encode(Put(headers, "engine")), 4 * layout.payload_bytes))
+            c.sendall(payloads[0][:100].tobytes())  # and then nothing
+            t0 = time.monotonic()
+            assert c.recv(1 << 16) == b""  # closed at the deadline
+            assert 0.8 < time.monotonic() - t0 < 5
+        with _tcp(s) as c:
+            _hello(c)
+            c.sendall(frame(Op.STATS, encode(Empty())))
+            status, meta, _ = read_frame(c, 1 << 20)
+            assert decode_reply(meta, Stats).tiers["memory"]["used_bytes"] == 0
+
+
+def test_ranges_cannot_multiply_what_a_request_expands_to(server, layout):
+    """A GET naming the whole page 500 times (8 KB of metadata) is refused before anything is
+    allocated: ranges must come in order without overlapping."""
+    with _tcp(server) as c:
+        _hello(c)
+        whole = (0, layout.payload_bytes)
+        keys, _, _ = make_pages(layout, 1)
+        c.sendall(frame(Op.GET, encode(Get(list(keys), LayoutMsg.of(layout), [whole] * 500))))
+        status, meta, _ = read_frame(c, 1 << 20)
+        assert status == 1 and b"overlaps" in meta
+
+
+def test_deeply_nested_metadata_is_an_error_reply(server):
+    with _tcp(server) as c:
+        # a HELLO with an unknown field holding an array in an array ... 200k deep
+        nested = b"\x83\xa7version\x01\xa9namespace\xa1x\xa5extra" + b"\x91" * 200_000 + b"\xc0"
+        c.sendall(frame(Op.HELLO, nested))
+        status, meta, _ = read_frame(c, 1 << 20)
+        assert status == 1
+    with _tcp(server) as c:  # and the server lives on
+        _hello(c)
+
+
+def test_long_residency_domains_are_refused_not_aliased(server, layout):
+    """Two different 63-character domains would have become one after qualification (truncated to
+    64); each is refused instead, and a domain that fits still works."""
+    t = ServerTier(RemoteConfig(url=server.url, shm="never"))
+    keys, _, pages = make_pages(layout, 1)
+    from lmkv.protocol import RemoteError
+
+    for name in ("a" * 62 + "1", "a" * 62 + "2"):
+        with pytest.raises(RemoteError, match="at most"):
+            t.put(pages, name)
+    assert t.put(pages, "a" * 40) == [True]
+    t.close()
