@@ -169,6 +169,8 @@ class ServerConfig(_Section):
     tls_cert: str | None = Field(None, description="PEM certificate: serve TLS")
     tls_key: str | None = Field(None, description="PEM private key for tls_cert")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port (unset: off)")
+    metrics_host: str = Field("127.0.0.1", description="Prometheus endpoint address (loopback unless set)")
+    metrics_auth: bool = Field(False, description="scrapes must send Authorization: Bearer <server.token>")
     max_connections: int = Field(256, ge=1, le=65536, description="clients served at once; more are refused")
     max_bulk: ByteSize = Field(ByteSize(256 << 20), description="largest request or reply body")
     idle_timeout: float = Field(600.0, gt=0, description="seconds a silent client keeps its connection")

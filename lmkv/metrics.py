@@ -8,11 +8,15 @@ stores in one process (tests, two engines) never collide.
 
 from __future__ import annotations
 
+import hmac
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -98,3 +102,29 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:
+        """Scrapes are not logged (one line per scrape on stderr otherwise)."""
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, token: str | None) -> WSGIServer:
+    """The Prometheus endpoint in a background thread; with ``token``, a scrape must present it as
+    ``Authorization: Bearer <token>`` (401 otherwise). ``server_port`` is the port it got."""
+    app = make_wsgi_app(registry)
+
+    def guarded(environ, start_response):
+        given = environ.get("HTTP_AUTHORIZATION", "")
+        if token is not None and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"lmkv: a bearer token is required\n"]
+        return app(environ, start_response)
+
+    server = make_server(host, port, guarded, _ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="lmkv-metrics", daemon=True).start()
+    return server

@@ -42,6 +42,7 @@ from lmkv.domains import check_namespace, qualified
 from lmkv.errors import LMKVError, PageError, TierFullError
 from lmkv.keys import KEY_BYTES, PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
+from lmkv.metrics import serve_metrics
 from lmkv.page import PageHeader, rekey, units_in_ranges, unpack_header
 from lmkv.protocol import (
     MAX_KEYS,
@@ -379,6 +380,11 @@ class Server:
                 f"server.host = {sc.host!r}: a server reachable from other hosts needs server.token "
                 "(or bind to 127.0.0.1)"
             )
+        if sc.metrics_auth and not sc.token:
+            raise ConfigError("server.metrics_auth: scrapes present server.token, which is not set")
+        if sc.metrics_port is not None and not is_loopback(sc.metrics_host) and not sc.metrics_auth:
+            log.warning("lmkv serve: metrics on %s without server.metrics_auth: anyone who reaches it reads "
+                        "every counter", sc.metrics_host)
         if bool(sc.tls_cert) != bool(sc.tls_key):
             raise ConfigError("server.tls_cert and server.tls_key go together")
         self.cfg = cfg
@@ -409,10 +415,8 @@ class Server:
             self.unix.listen(128)
         self._metrics_server = None
         if sc.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            registry = self.store.metrics.registry
-            self._metrics_server, _ = start_http_server(sc.metrics_port, addr=sc.host, registry=registry)
+            token = sc.token if sc.metrics_auth else None
+            self._metrics_server = serve_metrics(self.store.metrics.registry, sc.metrics_host, sc.metrics_port, token)
             self.metrics_port = self._metrics_server.server_port
 
     def serve_forever(self) -> None:

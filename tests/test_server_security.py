@@ -332,3 +332,32 @@ def test_long_residency_domains_are_refused_not_aliased(server, layout):
             t.put(pages, name)
     assert t.put(pages, "a" * 40) == [True]
     t.close()
+
+
+def test_metrics_stay_on_loopback_and_can_require_the_token(tmp_path):
+    """The data port on every address does not put the counters there: the endpoint is on loopback
+    unless configured, and with ``metrics_auth`` a scrape needs the bearer token."""
+    import urllib.error
+    import urllib.request
+
+    from lmkv.dev.redis_server import free_port
+
+    mport = free_port()
+    with _serve(tmp_path, host="0.0.0.0", token="correct-horse-battery", metrics_port=mport, metrics_auth=True):
+        url = f"http://127.0.0.1:{mport}/metrics"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=5)
+            except urllib.error.HTTPError as e:
+                assert e.code == 401
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        req = urllib.request.Request(url, headers={"Authorization": "Bearer correct-horse-battery"})
+        assert b"lmkv_" in urllib.request.urlopen(req, timeout=5).read()
+        other = socket.gethostbyname(socket.gethostname())
+        if not other.startswith("127."):  # not on this host's other addresses, where the data port is
+            with socket.socket() as probe:
+                assert probe.connect_ex((other, mport)) != 0
