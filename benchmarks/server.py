@@ -14,6 +14,9 @@
 - ``server.exists``: single-key ``contains`` calls per second (a round trip each).
 - ``load.*``: :func:`lmkv.dev.load_test.run_load`, N clients for M seconds of mixed
   put / get / exists; every page read back is compared byte for byte.
+- ``load.slowloris_served``: a client's completed requests (each on a fresh connection: connect,
+  HELLO, EXISTS, close) while 256 connections are held open without ever saying HELLO;
+  baseline: the same client alone, same run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -34,7 +38,7 @@ from lmkv.config import RemoteConfig
 from lmkv.dev.load_test import run_load
 from lmkv.dev.server_process import spawn
 from lmkv.page import make_header
-from lmkv.protocol import recv_exact
+from lmkv.protocol import PROTOCOL_VERSION, Hello, Keys, Op, encode, frame, read_frame, recv_exact
 from lmkv.tiers.server_client import ServerTier
 
 log = logging.getLogger("lmkv.bench.server")
@@ -65,6 +69,40 @@ def raw_peer() -> None:
         else:  # source n bytes from distinct pages (as a server sends distinct pages, not one hot one)
             for off in range(0, n, PAGE):
                 conn.sendall(buf[off : off + min(PAGE, n - off)])
+
+
+def _fresh_connection_ops(port: int, seconds: float) -> int:
+    """Requests completed in ``seconds``, each on a new connection (what admission decides about)."""
+    hello = frame(Op.HELLO, encode(Hello(PROTOCOL_VERSION, "bench")))
+    exists = frame(Op.EXISTS, encode(Keys([b"k" * 16])))
+    done = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                c.sendall(hello)
+                if read_frame(c, 1 << 20)[0] != 0:
+                    continue
+                c.sendall(exists)
+                if read_frame(c, 1 << 20)[0] == 0:
+                    done += 1
+        except OSError:
+            continue
+    return done
+
+
+def _slowloris_served(port: int, seconds: float, held: int = 256) -> tuple[int, int]:
+    """(requests completed while ``held`` connections sit open without HELLO, requests alone)."""
+    alone = _fresh_connection_ops(port, seconds)
+    sockets = []
+    try:
+        for _ in range(held):
+            sockets.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        attacked = _fresh_connection_ops(port, seconds)
+    finally:
+        for h in sockets:
+            h.close()
+    return attacked, alone
 
 
 def run(quick: bool = False, directory: str | None = None) -> Report:
@@ -174,6 +212,9 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
             report.params["load_server_memory_capacity"] = res.server_memory_capacity
             if res.notes:
                 report.params["load_notes"] = res.notes[:5]
+            attacked, alone = _slowloris_served(server.port, 2.0 if quick else 5.0)
+            report.add("load.slowloris_served", attacked, "requests", alone or None,
+                       "the same client alone, same run (each request on a fresh connection)")
         raw.close()
     finally:
         peer.kill()
