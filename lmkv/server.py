@@ -1,18 +1,22 @@
 """``lmkv serve``: one process holding memory and disk tiers (Redis optionally beneath) for many engines.
 
-- Transport: lmkv's framed protocol (:mod:`lmkv.protocol`) over TCP (TLS optional),
-  one thread per client (bounded by ``server.max_connections``). Page bytes go
-  from the socket straight into memory-tier slots reserved for them, and from
-  those slots straight to the socket: no intermediate copies. Same-host clients
-  may name a shared-memory window; bulk bytes then cross it instead of the socket.
+- Transport: lmkv's framed protocol (:mod:`lmkv.protocol`) over TCP (TLS optional)
+  and, for clients on this host, an abstract Unix socket; one thread per client.
+  Page bytes go from the socket straight into memory-tier slots reserved for them,
+  and from those slots straight to the socket: no intermediate copies. Unix-socket
+  clients may pass sealed memfds (:mod:`lmkv.shm_window`); bulk bytes then cross
+  that memory instead of the socket. No path a client sends is ever opened.
 - Isolation: a client states its namespace once (``HELLO``); every key it sends
   is qualified by that namespace before it touches a tier, and the page header
   is re-keyed both ways, so one tenant's keys can never name another's pages.
-  Residency domains are qualified the same way.
-- Security: a token is required unless the server is bound to loopback; every
-  length and count a client sends is bounded before anything is allocated; a
-  malformed request gets an error reply, a broken frame closes that connection
-  only. Other clients never notice.
+  Residency domains are qualified the same way (too long: refused, not cut).
+- Admission (:mod:`lmkv.admission`): a token unless bound to loopback; a deadline
+  for HELLO, a cap on connections still unauthenticated (the oldest goes), a
+  client slot only after HELLO, a cap per peer, slower answers to wrong tokens.
+- Bounds: every length and count a client sends is bounded before anything is
+  allocated, a PUT's pages must follow its header promptly; a malformed request
+  gets an error reply, a broken frame closes that connection only. Other clients
+  never notice.
 - Durability: pages on the disk tier survive a restart (its index is rebuilt
   from the files); clients reconnect by themselves.
 """
