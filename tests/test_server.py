@@ -255,15 +255,21 @@ def test_load_many_clients_nothing_lost_or_corrupt(server, layout):
     assert result.server_evictions == 0 and result.server_memory_used <= result.server_memory_capacity
 
 
-def test_store_shares_pages_through_the_server(server, layout):
+@pytest.mark.parametrize("pages", [4, 300])
+def test_store_shares_pages_through_the_server(server, layout, pages):
+    """A store on the server's host shares its memory arena: fetched pages are copied by the server
+    straight into arena slots (300 pages: several chunks, each verified while the next is copied)."""
     cfg = load_config({"remote": {"url": server.url}, "namespace": "store-test"}, environ={})
-    keys, payloads, _ = make_pages(layout, 4)
+    keys, payloads, _ = make_pages(layout, pages)
     with TieredStore(cfg) as a:
-        a.put(keys, [layout] * 4, payloads)
+        a.put(keys, [layout] * pages, payloads)
     with TieredStore(cfg) as b:
-        assert b.lookup(keys).tiers == ("server",) * 4
+        assert b.lookup(keys).tiers == ("server",) * pages
+        with b.tiers[-1]._conn() as c:
+            assert c.arena
         with b.fetch(keys, layout) as f:
             assert all(np.array_equal(v, p) for v, p in zip(f.views, payloads))
+        assert b.tiers[-1].stats.hits == pages and b.tiers[-1].stats.corrupt == 0
 
 
 def test_server_in_process_survives_a_client_dying_mid_put(layout):

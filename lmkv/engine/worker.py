@@ -249,10 +249,19 @@ class LayerwiseTransfer:
 
     def _load_in_place(self, op: PageOp, rows: list[LayerBlocks]) -> bool:
         """Pages read straight into the blocks' rows (:meth:`TieredStore.get_units`: copied from the
-        arena, or read from a buffered disk tier with one read per page)."""
+        arena, or read from a buffered disk tier with one read per page).
+
+        A page that failed may have left anything in its blocks (a torn read, the bytes that failed
+        their checksum): they are zeroed. The engine recomputes the request into those blocks, but
+        the last one is only partly rewritten, and an attention kernel that weighs the unused slots
+        by zero still turns a NaN or an infinity there into NaN outputs."""
         layout = self.groups[op.group]
         units = [[u for layer in rows for u in layer.units(b, layout.segments)] for b in op.block_ids]
         got = self.store.get_units(self.keys(op), layout, units)
+        for bufs, h in zip(units, got):
+            if h is None:
+                for u in bufs:
+                    u[:] = 0
         return self._landed(op, 0, [h is not None for h in got])
 
     def _load_staged(self, ops: list[PageOp]) -> bool:

@@ -66,6 +66,10 @@ from lmkv.tiers.remote import Checked, RemoteTier
 
 log = logging.getLogger(__name__)
 
+#: how much one request of a read into the shared arena asks for: the next chunk is copied while
+#: this one is verified
+ARENA_CHUNK_BYTES = 8 << 20
+
 
 @dataclass(frozen=True)
 class UnixEndpoint:
@@ -305,6 +309,45 @@ class ServerTier(RemoteTier):
             return raw  # the caller's check counts and drops it
         return Checked(h)
 
+    def _read_into_arena(self, c: Connection, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
+                         wire_ranges: list[tuple[int, int]] | None, dst: list[int], units: list[int],
+                         per_page: int) -> list:
+        """Pages the server copies straight into the caller's arena slots, asked for in chunks with
+        the next chunk's request already sent: the server copies chunk k+1 while the verifier
+        thread checks chunk k where it landed (one after the other, the check would add its whole
+        time to the copy's)."""
+        msg = self._layout_msg(layout)
+        step = max(1, min(MAX_KEYS, ARENA_CHUNK_BYTES // max(1, per_page)))
+        starts = list(range(0, len(keys), step))
+
+        def ask(i: int) -> None:
+            c.send(Op.GET, Get(list[bytes](keys[i : i + step]), msg, wire_ranges, dst=dst[i : i + step]))
+
+        results: list = []
+        if starts:
+            ask(starts[0])
+        for k, i in enumerate(starts):
+            ahead = k + 1 < len(starts)
+            if ahead:
+                ask(starts[k + 1])
+            try:
+                rep, bulk = c.reply(GetReply)
+            except RemoteError:
+                if ahead:  # keep the stream in step: the request already sent gets its answer too
+                    try:
+                        c.reply(GetReply)
+                    except RemoteError:
+                        pass
+                raise
+            if bulk:
+                raise ProtocolError(f"unexpected {bulk}-byte bulk in a GET reply")
+            for j, h in enumerate(rep.headers):
+                if h is not None and self.verifies:
+                    results.append(self._verifier.submit(self._verified, keys[i + j], h, layout, outs[i + j], units))
+                else:
+                    results.append(h)
+        return [r.result() if isinstance(r, Future) else r for r in results]
+
     def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               ranges: Sequence[Range] | None) -> list:
         want = [(0, layout.payload_bytes)] if ranges is None else [(a, b) for a, b in ranges]
@@ -316,11 +359,7 @@ class ServerTier(RemoteTier):
         with self._conn() as c:
             dst = self._arena_offsets(c, outs)
             if dst is not None:  # the server copies straight into the caller's arena slots
-                for i in range(0, len(keys), MAX_KEYS):
-                    req = Get(list[bytes](keys[i : i + MAX_KEYS]), msg, wire_ranges, dst=dst[i : i + MAX_KEYS])
-                    rep = c.call(Op.GET, req, GetReply)
-                    out += rep.headers
-                return out
+                return self._read_into_arena(c, keys, layout, outs, wire_ranges, dst, units, per_page)
             staged = c.window is not None and layout.payload_bytes <= len(c.window)
             if staged:
                 step = min(MAX_KEYS, len(c.window) // layout.payload_bytes)
