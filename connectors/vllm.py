@@ -39,7 +39,7 @@ from lmkv.engine.scheduler import OffloadScheduler, Scheduled
 from lmkv.engine.sequence import Span
 from lmkv.engine.stores import acquire_store, find_store, live_stores, release_store
 from lmkv.engine.worker import LayerwiseTransfer
-from lmkv.keys import ChainHash
+from lmkv.keys import ChainHash, EngineBlockKey
 from lmkv.store import TieredStore
 from lmkv.tiers.factory import open_views
 from lmkv.tiers.remote import RemoteTier
@@ -201,8 +201,12 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
         gids = self.group_ids
-        self.scheduler.bind_free_queue(VllmFreeQueue(kv_cache_manager.block_pool),
-                                       lambda g, h: make_block_hash_with_group_id(h, gids[g]))
+
+        def engine_key(g: int, block_hash: bytes) -> EngineBlockKey:
+            """vLLM's name for group ``g``'s cached block: its ``BlockHashWithGroupId`` bytes."""
+            return EngineBlockKey(make_block_hash_with_group_id(block_hash, gids[g]))
+
+        self.scheduler.bind_free_queue(VllmFreeQueue(kv_cache_manager.block_pool), engine_key)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None

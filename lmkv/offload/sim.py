@@ -105,7 +105,7 @@ class _Run:
         self.mgr = make_manager(cfg.num_blocks, cfg.block_size)
         self.pool = self.mgr.block_pool
         self.queue = VllmFreeQueue(self.pool)
-        self.key = lambda h: make_block_hash_with_group_id(h, 0)  # noqa: E731
+        self.key = lambda h: EngineBlockKey(make_block_hash_with_group_id(h, 0))  # noqa: E731
         self.tier: set[EngineBlockKey] = set()
         #: written and not evicted since: a HBM hit on one is a wasted write
         self.written_live: set[EngineBlockKey] = set()
