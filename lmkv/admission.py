@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +54,13 @@ class PeerCounts:
 class AuthFailures:
     """Recent failed authentications per peer: the delay before each answer, and the log."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._failures: dict[str, tuple[int, float, float]] = {}  # peer -> (count, last, last logged)
 
     def failed(self, peer: str, why: str) -> float:
         """Count a failure; the seconds to wait before answering it."""
-        now = self._clock()
+        now = time.monotonic()
         with self._lock:
             count, last, logged = self._failures.get(peer, (0, now, -1e9))
             count = 1 if now - last > FAIL_MEMORY_S else count + 1
@@ -74,7 +72,3 @@ class AuthFailures:
                 for p in sorted(self._failures, key=lambda p: self._failures[p][1])[:32768]:
                     del self._failures[p]
         return min(FAIL_DELAY_MAX_S, FAIL_DELAY_S * 2 ** (count - 1))
-
-    def count(self, peer: str) -> int:
-        with self._lock:
-            return self._failures.get(peer, (0, 0.0, 0.0))[0]

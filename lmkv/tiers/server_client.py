@@ -310,13 +310,12 @@ class ServerTier(RemoteTier):
         return Checked(h)
 
     def _read_into_arena(self, c: Connection, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
-                         wire_ranges: list[tuple[int, int]] | None, dst: list[int], units: list[int],
-                         per_page: int) -> list:
+                         msg: LayoutMsg, wire_ranges: list[tuple[int, int]] | None, dst: list[int],
+                         units: list[int], per_page: int) -> list:
         """Pages the server copies straight into the caller's arena slots, asked for in chunks with
         the next chunk's request already sent: the server copies chunk k+1 while the verifier
         thread checks chunk k where it landed (one after the other, the check would add its whole
         time to the copy's)."""
-        msg = self._layout_msg(layout)
         step = max(1, min(MAX_KEYS, ARENA_CHUNK_BYTES // max(1, per_page)))
         starts = list(range(0, len(keys), step))
 
@@ -359,7 +358,7 @@ class ServerTier(RemoteTier):
         with self._conn() as c:
             dst = self._arena_offsets(c, outs)
             if dst is not None:  # the server copies straight into the caller's arena slots
-                return self._read_into_arena(c, keys, layout, outs, wire_ranges, dst, units, per_page)
+                return self._read_into_arena(c, keys, layout, outs, msg, wire_ranges, dst, units, per_page)
             staged = c.window is not None and layout.payload_bytes <= len(c.window)
             if staged:
                 step = min(MAX_KEYS, len(c.window) // layout.payload_bytes)
