@@ -62,7 +62,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from lmkv.server import serve
+    from lmkv.serve.server import serve
 
     overrides: dict = {"config_file": args.file} if args.file else {}
     given = (("host", args.host), ("port", args.port), ("metrics_port", args.metrics_port))

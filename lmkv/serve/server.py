@@ -1,16 +1,16 @@
 """``lmkv serve``: one process holding memory and disk tiers (Redis optionally beneath) for many engines.
 
-- Transport: lmkv's framed protocol (:mod:`lmkv.protocol`) over TCP (TLS optional)
+- Transport: lmkv's framed protocol (:mod:`lmkv.serve.protocol`) over TCP (TLS optional)
   and, for clients on this host, an abstract Unix socket; one thread per client.
   Page bytes go from the socket straight into memory-tier slots reserved for them,
   and from those slots straight to the socket: no intermediate copies. Unix-socket
-  clients may pass sealed memfds (:mod:`lmkv.shm_window`); bulk bytes then cross
+  clients may pass sealed memfds (:mod:`lmkv.serve.shm_window`); bulk bytes then cross
   that memory instead of the socket. No path a client sends is ever opened.
 - Isolation: a client states its namespace once (``HELLO``); every key it sends
   is qualified by that namespace before it touches a tier, and the page header
   is re-keyed both ways, so one tenant's keys can never name another's pages.
   Residency domains are qualified the same way (too long: refused, not cut).
-- Admission (:mod:`lmkv.admission`): a token unless bound to loopback; a deadline
+- Admission (:mod:`lmkv.serve.admission`): a token unless bound to loopback; a deadline
   for HELLO, a cap on connections still unauthenticated (the oldest goes), a
   client slot only after HELLO, a cap per peer, slower answers to wrong tokens.
 - Bounds: every length and count a client sends is bounded before anything is
@@ -39,8 +39,8 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from lmkv import shm_window
-from lmkv.admission import AuthFailures, PeerCounts
+from lmkv.serve import shm_window
+from lmkv.serve.admission import AuthFailures, PeerCounts
 from lmkv.config import ConfigError, LMKVConfig
 from lmkv.domains import check_namespace, qualified
 from lmkv.errors import LMKVError, PageError, TierFullError
@@ -48,7 +48,7 @@ from lmkv.keys import KEY_BYTES, PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
 from lmkv.metrics import serve_metrics
 from lmkv.page import PageHeader, rekey, units_in_ranges, unpack_header
-from lmkv.protocol import (
+from lmkv.serve.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
     Count,
@@ -446,7 +446,7 @@ class Server:
                              name="lmkv-serve-unix" if unix else f"lmkv-serve-{addr[0]}:{addr[1]}").start()
 
     def _serve_one(self, conn: socket.socket, addr, unix: bool = False) -> None:
-        """One connection, through admission (:mod:`lmkv.admission`): a per-peer count, an
+        """One connection, through admission (:mod:`lmkv.serve.admission`): a per-peer count, an
         unauthenticated slot with a deadline for HELLO, then a client slot once HELLO succeeded."""
         sc = self.cfg.server
         uid = None
