@@ -31,13 +31,13 @@ import time
 
 import numpy as np
 
-from lmkv.serve import shm_window
 from lmkv.benchmarks.report import Report, gbps, interleaved, timed
 from lmkv.benchmarks.tiers import aligned_buffers, bench_layout, random_keys
 from lmkv.config import RemoteConfig
 from lmkv.dev.load_test import run_load
 from lmkv.dev.server_process import spawn
 from lmkv.page import make_header
+from lmkv.serve import shm_window
 from lmkv.serve.protocol import PROTOCOL_VERSION, Hello, Keys, Op, encode, frame, read_frame, recv_exact
 from lmkv.tiers.server_client import ServerTier
 

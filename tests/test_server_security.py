@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from conftest import make_pages
 
-from lmkv.serve import shm_window
 from lmkv.config import RemoteConfig, load_config
 from lmkv.dev.server_process import spawn
+from lmkv.serve import shm_window
 from lmkv.serve.protocol import Empty, Get, HelloReply, LayoutMsg, Op, decode_reply, encode, frame, read_frame
 from lmkv.store import TieredStore
 from lmkv.tiers.server_client import ServerTier

@@ -39,8 +39,6 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from lmkv.serve import shm_window
-from lmkv.serve.admission import AuthFailures, PeerCounts
 from lmkv.config import ConfigError, LMKVConfig
 from lmkv.domains import check_namespace, qualified
 from lmkv.errors import LMKVError, PageError, TierFullError
@@ -48,6 +46,8 @@ from lmkv.keys import KEY_BYTES, PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
 from lmkv.metrics import serve_metrics
 from lmkv.page import PageHeader, rekey, units_in_ranges, unpack_header
+from lmkv.serve import shm_window
+from lmkv.serve.admission import AuthFailures, PeerCounts
 from lmkv.serve.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,

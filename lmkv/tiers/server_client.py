@@ -28,12 +28,12 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from lmkv.serve import shm_window
 from lmkv.config import ConfigError, RemoteConfig
 from lmkv.errors import PageError, TierBusyError, TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, unpack_header, verify_units
+from lmkv.serve import shm_window
 from lmkv.serve.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
