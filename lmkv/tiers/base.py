@@ -23,6 +23,7 @@ from lmkv.domains import DomainRegistry
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, make_header
+from lmkv.tiers.accounts import Accounts, Limit, Usage
 
 Range = tuple[int, int]
 
@@ -192,6 +193,7 @@ class LocalTier(Tier):
 
     _index: Mapping[PageKey, _Owned]
     _domains: DomainRegistry
+    _accounts: Accounts
     _used: int
     _lock: threading.Lock
 
@@ -200,6 +202,20 @@ class LocalTier(Tier):
         with self._lock:
             e = self._index.get(key)
             return self._domains.names(e.domains) if e else []
+
+    def usage(self, account: str) -> Usage:
+        """What ``account`` holds here now (resident and reserved)."""
+        with self._lock:
+            u = self._accounts.usage.get(account, Usage())
+            return Usage(u.bytes, u.pages)
+
+    def limit(self, account: str) -> Limit | None:
+        return self._accounts.limits.get(account)
+
+    def domains(self, account: str) -> set[str]:
+        """The residency domains charged to ``account`` that own pages here."""
+        with self._lock:
+            return self._domains.of_account(account)
 
     @property
     def used_bytes(self) -> int:

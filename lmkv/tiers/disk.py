@@ -54,6 +54,7 @@ from lmkv.page import (
     verify_unit_buffers,
     verify_units,
 )
+from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import LocalTier, Range, ReadsInPlace, WriteSession
 from lmkv.tiers.eviction import EvictionPolicy, make_policy
 
@@ -79,6 +80,19 @@ def page_path(data_dir: Path, key: PageKey, domain: str) -> str:
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _place(src: str | Path, dst: str, link: bool = False) -> None:
+    """Move (or hard-link) a file into a domain's directory, making the directory if needed (again,
+    if the last page of that domain went meanwhile and took the directory with it)."""
+    for attempt in (0, 1):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:
+            (os.link if link else os.replace)(src, dst)
+            return
+        except FileNotFoundError:
+            if attempt or not os.path.exists(src):
+                raise
 
 
 def _domains_in(data_dir: Path) -> list[str]:
@@ -184,10 +198,12 @@ class _Bounce(threading.local):
 class _Entry:
     file_bytes: int
     domains: int
+    account: str
 
 
 class DiskTier(LocalTier, ReadsInPlace):
-    def __init__(self, cfg: DiskConfig, name: str = "disk") -> None:
+    def __init__(self, cfg: DiskConfig, name: str = "disk", accounts: Accounts | None = None) -> None:
+        """``accounts``: who the pages are charged to and their limits (default: one, unlimited)."""
         super().__init__(name)
         if not cfg.path:
             raise ValueError("disk.path must be set to use the disk tier")
@@ -202,8 +218,9 @@ class DiskTier(LocalTier, ReadsInPlace):
             raise ValueError(f"disk.io = 'direct': the file system under {self.root} refuses O_DIRECT")
         self._lock = threading.Lock()
         self._index: dict[PageKey, _Entry] = {}
-        self._domains = DomainRegistry()
-        self._policy: EvictionPolicy = make_policy(cfg.policy)
+        self._accounts = accounts or Accounts()
+        self._domains = DomainRegistry(self._accounts.account_of, on_forget=self._remove_domain_dir)
+        self._policies: dict[str, EvictionPolicy] = {}  # account -> its pages' eviction order
         self._used = 0
         self._reserved = 0
         self._bounce = _Bounce()
@@ -242,15 +259,38 @@ class DiskTier(LocalTier, ReadsInPlace):
                         continue
                     found.append((st.st_mtime, key, dom_dir.name, st.st_size))
         for _, key, domain, size in sorted(found):
-            e = self._index.get(key)
-            if e is None:
-                self._index[key] = _Entry(size, self._domains.bit(domain))
-                self._policy.insert(key)
-                self._used += size
-            else:
-                e.domains |= self._domains.bit(domain)
+            self._index_file(key, domain, size)
         if self._index:
             log.info("disk tier %s: %d pages, %d bytes indexed", self.root, len(self._index), self._used)
+
+    def _index_file(self, key: PageKey, domain: str, size: int) -> None:
+        """Under the lock (or alone, at start-up): a page file found on disk joins the index, charged
+        to its domain's account even beyond its limit (the next write of that account evicts)."""
+        e = self._index.get(key)
+        if e is None:
+            account = self._accounts.account_of(domain)
+            e = self._index[key] = _Entry(size, 0, account)
+            self._policy(account).insert(key)
+            self._used += size
+            self._accounts.charge(account, size)
+        e.domains = self._domains.add(e.domains, domain)
+
+    def _policy(self, account: str) -> EvictionPolicy:
+        p = self._policies.get(account)
+        if p is None:
+            p = self._policies[account] = make_policy(self.cfg.policy)
+        return p
+
+    def _remove_domain_dir(self, domain: str) -> None:
+        """The domain's last page went (told by the registry, under the lock): its directories go too,
+        so a domain that is gone costs nothing to the scans of the directory (see :class:`DiskView`).
+        A directory another process still fills is not empty and stays."""
+        top = self._data / domain
+        with contextlib.suppress(OSError):
+            for sub in os.scandir(top):
+                with contextlib.suppress(OSError):
+                    os.rmdir(sub.path)
+            os.rmdir(top)
 
     def _open_any(self, key: PageKey, e: _Entry, flags: int) -> int:
         for domain in self._domains.names(e.domains):
@@ -264,36 +304,58 @@ class DiskTier(LocalTier, ReadsInPlace):
         for domain in self._domains.names(domains):
             _unlink(self._path(key, domain))
 
-    def _forget(self, key: PageKey) -> _Entry | None:
-        """Under the lock: drop a page from the index (its files are unlinked by the caller)."""
+    def _forget(self, key: PageKey, evicted: bool = False) -> _Entry | None:
+        """Under the lock: drop a page from the index and unlink its files (``evicted``: the
+        victim's order already let it go)."""
         e = self._index.pop(key, None)
         if e is not None:
-            self._policy.remove(key)
+            if not evicted:
+                self._policy(e.account).remove(key)
+            self._unlink_all(key, e.domains)
+            self._domains.release(e.domains)
             self._used -= e.file_bytes
+            self._accounts.refund(e.account, e.file_bytes)
         return e
 
     def _discard(self, key: PageKey, why: str) -> None:
         with self._lock:
-            e = self._forget(key)
+            self._forget(key)
             self.stats.corrupt += 1
-        if e is not None:
-            self._unlink_all(key, e.domains)
         log.warning("disk tier: discarded page %s: %s", key_hex(key), why)
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Under the lock: evict until ``nbytes`` more fit within capacity."""
+    def _reserve(self, nbytes: int, account: str, pages: int = 1) -> bool:
+        """Under the lock: room for ``pages`` pages of ``nbytes`` in all, charged to ``account``:
+        its own pages go while it is at its limit, then (the tier is full) the pages of whoever
+        holds the most of its share (:mod:`lmkv.tiers.accounts`)."""
         cap = int(self.cfg.capacity)
-        if nbytes > cap:
+        accounts = self._accounts
+        if nbytes > cap or not accounts.can_hold(account, nbytes, pages):
             return False
-        while self._used + self._reserved + nbytes > cap:
-            key = self._policy.victim(lambda k: True)
-            if key is None:
+        while not accounts.fits(account, nbytes, pages):
+            if not self._evict([account]):
                 return False
-            e = self._forget(key)
-            assert e is not None
-            self._unlink_all(key, e.domains)
-            self.stats.evictions += 1
+        while self._used + self._reserved + nbytes > cap:
+            if not self._evict(accounts.by_pressure([a for a, p in self._policies.items() if len(p)], cap)):
+                return False
+        accounts.charge(account, nbytes, pages)
+        self._reserved += nbytes
         return True
+
+    def _settle(self, nbytes: int, account: str, resident: bool) -> None:
+        """Under the lock: one page's reservation ends; its charge stays if it became ``resident``."""
+        self._reserved -= nbytes
+        if not resident:
+            self._accounts.refund(account, nbytes)
+
+    def _evict(self, accounts: list[str]) -> bool:
+        """Under the lock: evict one page of the first of ``accounts`` that has one."""
+        for account in accounts:
+            key = self._policy(account).victim(lambda k: True)
+            if key is not None:
+                self._forget(key, evicted=True)
+                self.stats.evictions += 1
+                return True
+        return False
 
     # -- reading -----------------------------------------------------------
 
@@ -306,7 +368,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         with self._lock:
             e = self._index.get(key)
             if e is not None:
-                self._policy.touch(key)
+                self._policy(e.account).touch(key)
         if e is None:
             self.stats.misses += 1
             return None
@@ -429,22 +491,28 @@ class DiskTier(LocalTier, ReadsInPlace):
         os.close(fd)
         return tmp
 
-    def _publish(self, header: PageHeader, tmp: Path, domain: str) -> bool:
-        """Link a flushed temp file into place for ``domain``; under the lock."""
+    def _publish(self, header: PageHeader, tmp: Path, domain: str, account: str) -> bool:
+        """Link a flushed temp file into place for ``domain``, its reservation settled; under the lock."""
         key = header.key
-        bit = self._domains.bit(domain)
         size = header.disk_bytes
         e = self._index.get(key)
         if e is not None:  # a twin was published meanwhile
+            self._settle(size, account, resident=False)
             tmp.unlink(missing_ok=True)
-            if not e.domains & bit:
-                self._link_domain(key, e, domain)
+            self._link_domain(key, e, domain)
             return True
         final = self._path(key, domain)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        os.replace(tmp, final)
-        self._index[key] = _Entry(size, bit)
-        self._policy.insert(key)
+        try:
+            _place(tmp, final)
+        except OSError as err:
+            self._settle(size, account, resident=False)
+            tmp.unlink(missing_ok=True)
+            self.stats.errors += 1
+            log.warning("disk tier: publishing %s failed: %s", key_hex(key), err)
+            return False
+        self._settle(size, account, resident=True)
+        self._index[key] = _Entry(size, self._domains.add(0, domain), account)
+        self._policy(account).insert(key)
         self._used += size
         self.stats.puts += 1
         self.stats.put_bytes += header.payload_len
@@ -452,23 +520,26 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     def _link_domain(self, key: PageKey, e: _Entry, domain: str) -> None:
         """Under the lock: add an owner to a resident page (a hard link, no bytes copied)."""
+        if e.domains & self._domains.mask(domain):
+            return
         src = next(self._path(key, d) for d in self._domains.names(e.domains))
-        dst = self._path(key, domain)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
         try:
-            os.link(src, dst)
+            _place(src, self._path(key, domain), link=True)
         except FileExistsError:
             pass
-        e.domains |= self._domains.bit(domain)
+        except OSError as err:
+            log.warning("disk tier: linking %s for %s failed: %s", key_hex(key), domain, err)
+            return
+        e.domains = self._domains.add(e.domains, domain)
 
-    def _store(self, header: PageHeader, payload, domain: str, reserved: bool) -> bool:
+    def _store(self, header: PageHeader, payload, domain: str, account: str) -> bool:
+        """Write a page whose room is reserved, then publish it."""
         size = header.disk_bytes
         try:
             tmp = self._write_tmp(header, payload)
         except OSError as err:
             with self._lock:
-                if reserved:
-                    self._reserved -= size
+                self._settle(size, account, resident=False)
             if err.errno in _FULL_ERRNOS:
                 self.stats.full += 1
                 log.warning("disk tier: file system full writing %s", key_hex(header.key))
@@ -477,9 +548,7 @@ class DiskTier(LocalTier, ReadsInPlace):
                 log.warning("disk tier: writing %s failed: %s", key_hex(header.key), err)
             return False
         with self._lock:
-            if reserved:
-                self._reserved -= size
-            return self._publish(header, tmp, domain)
+            return self._publish(header, tmp, domain, account)
 
     # -- Tier --------------------------------------------------------------
 
@@ -507,12 +576,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             except (OSError, ValueError):
                 continue
             with self._lock:
-                e = self._index.get(key)
-                if e is None:
-                    e = self._index[key] = _Entry(size, 0)
-                    self._policy.insert(key)
-                    self._used += size
-                e.domains |= self._domains.bit(domain)
+                self._index_file(key, domain, size)
         with self._lock:
             return key in self._index
 
@@ -566,44 +630,40 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     def _put_one(self, header: PageHeader, payload, domain: str) -> bool:
         size = header.disk_bytes
+        account = self._accounts.account_of(domain)
         with self._lock:
             e = self._index.get(header.key)
             if e is not None:
-                if not e.domains & self._domains.bit(domain):
-                    self._link_domain(header.key, e, domain)
-                self._policy.touch(header.key)
+                self._link_domain(header.key, e, domain)
+                self._policy(e.account).touch(header.key)
                 return True
-            room = self._make_room(size)
-            if room:
-                self._reserved += size
+            room = self._reserve(size, account)
         if not room:
             self.stats.full += 1
             return False
-        return self._store(header, payload, domain, reserved=True)
+        return self._store(header, payload, domain, account)
 
     def delete(self, keys: Sequence[PageKey]) -> int:
         n = 0
         for k in keys:
             with self._lock:
-                e = self._forget(k)
-            if e is not None:
-                self._unlink_all(k, e.domains)
-                n += 1
+                n += self._forget(k) is not None
         return n
 
     def clear(self, domain: str) -> int:
         check_domain(domain)
         with self._lock:
-            bit = self._domains.bit(domain)
+            bit = self._domains.mask(domain)
             deleted = 0
-            for key, e in list(self._index.items()):
+            for key, e in list(self._index.items()) if bit else ():
                 if not e.domains & bit:
                     continue
-                _unlink(self._path(key, domain))
-                e.domains &= ~bit
-                if not e.domains:
+                if e.domains == bit:  # its last owner: the page goes
                     self._forget(key)
                     deleted += 1
+                    continue
+                _unlink(self._path(key, domain))
+                e.domains = self._domains.remove(e.domains, domain)
             return deleted
 
     def close(self) -> None:
@@ -621,12 +681,12 @@ class DiskSession(WriteSession):
         super().__init__(keys, layouts)
         self._tier = tier
         self._domain = domain
+        self._account = tier._accounts.account_of(domain)
         self._sizes = [disk_page_bytes(lay) for lay in layouts]
         with tier._lock:
-            if not tier._make_room(sum(self._sizes)):
+            if not tier._reserve(sum(self._sizes), self._account, len(self._sizes)):
                 tier.stats.full += 1
                 raise TierFullError(f"{tier.name}: no room for a {len(keys)}-page session")
-            tier._reserved += sum(self._sizes)
         self._bufs = [mmap.mmap(-1, padded(lay.payload_bytes)) for lay in layouts]
 
     def buffer(self, i: int) -> memoryview:
@@ -649,13 +709,20 @@ class DiskSession(WriteSession):
                     log.warning("disk tier: session write of %s failed: %s", key_hex(h.key), err)
                     tmps.append(None)
             with tier._lock:
-                tier._reserved -= sum(self._sizes)
-                return [tier._publish(t[0], t[1], self._domain) if t else False for t in tmps]
+                out = []
+                for t, size in zip(tmps, self._sizes):
+                    if t is None:
+                        tier._settle(size, self._account, resident=False)
+                        out.append(False)
+                    else:
+                        out.append(tier._publish(t[0], t[1], self._domain, self._account))
+                return out
         finally:
             self.closed = True
 
     def abort(self) -> None:
         if not self.closed:
             with self._tier._lock:
-                self._tier._reserved -= sum(self._sizes)
+                for size in self._sizes:
+                    self._tier._settle(size, self._account, resident=False)
         self.closed = True

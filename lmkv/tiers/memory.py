@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmkv.config import MemoryConfig
-from lmkv.domains import DomainRegistry
+from lmkv.domains import DomainRegistry, check_domain
 from lmkv.errors import PageError, TierFullError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, verify_payload, verify_units
+from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.allocator import SlabAllocator
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import LocalTier, Range, ResidencyListener, WriteSession
@@ -36,6 +37,7 @@ class _Entry:
     offset: int
     header: PageHeader
     domains: int
+    account: str
     pins: int = 0
     deleted: bool = False
 
@@ -79,8 +81,9 @@ class MemoryTier(LocalTier):
     """
 
     def __init__(self, cfg: MemoryConfig, name: str = "memory", on_evict: EvictHook | None = None,
-                 shared: bool = False) -> None:
-        """``shared``: the arena is a shared-memory window an lmkv server on this host can map."""
+                 shared: bool = False, accounts: Accounts | None = None) -> None:
+        """``shared``: the arena is a shared-memory window an lmkv server on this host can map;
+        ``accounts``: who the pages are charged to and their limits (default: one, unlimited)."""
         super().__init__(name)
         self.cfg = cfg
         self.verifies = cfg.verify_checksums
@@ -92,9 +95,10 @@ class MemoryTier(LocalTier):
         # cut into at least MIN_SLABS of them rather than into one slab of slab_size.
         slab = min(int(cfg.slab_size), max(int(cfg.capacity) // MIN_SLABS, 1 << 20))
         self._alloc = SlabAllocator(int(cfg.capacity), slab)
-        self._policies: dict[int, EvictionPolicy] = {}
+        self._policies: dict[tuple[int, str], EvictionPolicy] = {}  # (slot size, account) -> order
         self._index: dict[PageKey, _Entry] = {}
-        self._domains = DomainRegistry()
+        self._accounts = accounts or Accounts()
+        self._domains = DomainRegistry(self._accounts.account_of)
         self._lock = threading.Lock()
         self._used = 0
 
@@ -116,50 +120,69 @@ class MemoryTier(LocalTier):
     def _view(self, e: _Entry) -> np.ndarray:
         return self._arena.view(e.offset, e.header.payload_len)
 
-    def _policy(self, nbytes: int) -> EvictionPolicy:
-        slot = self._alloc.slot_bytes(nbytes)
-        p = self._policies.get(slot)
+    def _policy(self, nbytes: int, account: str) -> EvictionPolicy:
+        key = (self._alloc.slot_bytes(nbytes), account)
+        p = self._policies.get(key)
         if p is None:
-            p = self._policies[slot] = make_policy(self.cfg.policy)
+            p = self._policies[key] = make_policy(self.cfg.policy)
         return p
 
-    def _take_victim(self, nbytes: int) -> _Entry | None:
-        """Under the lock: remove one evictable page, preferring the size class that needs room."""
-        own = self._policy(nbytes)
-        candidates = [own] if len(own) else []
-        candidates += sorted((p for p in self._policies.values() if p is not own and len(p)), key=len, reverse=True)
-        for policy in candidates:
+    def _candidates(self, nbytes: int, account: str, own: bool) -> list[EvictionPolicy]:
+        """Under the lock: the orders to evict from. ``own``: the account is at its limit and makes
+        room among its own pages; else the tier is full and room comes from the account holding
+        the most of its share (:mod:`lmkv.tiers.accounts`). The size class that needs the room
+        goes first (evicting there frees a usable slot), then the fullest others."""
+        slot = self._alloc.slot_bytes(nbytes)
+        live = [(k, p) for k, p in self._policies.items() if len(p) and (not own or k[1] == account)]
+        here = [k[1] for k, _ in live if k[0] == slot]
+        first = [self._policies[(slot, a)] for a in self._accounts.by_pressure(here, self.capacity_bytes)]
+        rest = sorted((p for k, p in live if k[0] != slot), key=len, reverse=True)
+        return first + rest
+
+    def _take_victim(self, nbytes: int, account: str, own: bool) -> tuple[_Entry, list[str]] | None:
+        """Under the lock: remove one evictable page (see :meth:`_candidates`); it and its owners."""
+        for policy in self._candidates(nbytes, account, own):
             key = policy.victim(lambda k: self._index[k].pins == 0)
             if key is not None:
                 e = self._index.pop(key)
+                owners = self._domains.names(e.domains)
+                self._domains.release(e.domains)
                 self.stats.evictions += 1
                 if self.listener is not None:
                     self.listener.removed(key)
-                return e
+                return e, owners
         return None
 
-    def _reserve(self, nbytes: int) -> int | None:
-        """An arena offset for ``nbytes``, evicting (and demoting) as needed; None when all is pinned."""
+    def _reserve(self, nbytes: int, account: str) -> int | None:
+        """An arena offset for ``nbytes`` charged to ``account``, evicting (and demoting) as needed:
+        the account's own pages while it is at its limit, then whose the tier's full state calls
+        for. None when the limit is smaller than the page or all that could go is pinned."""
+        accounts = self._accounts
+        if not accounts.can_hold(account, nbytes):
+            return None
         while True:
             with self._lock:
-                off = self._alloc.alloc(nbytes)
+                own = not accounts.fits(account, nbytes)
+                off = None if own else self._alloc.alloc(nbytes)
                 if off is not None:
                     self._used += nbytes
+                    accounts.charge(account, nbytes)
                     if off + nbytes + POPULATE_AHEAD > self._arena.populate_target:
                         self._arena.populate(off + nbytes + POPULATE_AHEAD)
                     return off
-                victim = self._take_victim(nbytes)
-                if victim is None:
+                taken = self._take_victim(nbytes, account, own)
+                if taken is None:
                     return None
+            victim, owners = taken
             if self.on_evict is not None:
-                owners = self._domains.names(victim.domains)
                 self.on_evict([(victim.header, self._view(victim), owners)])
             with self._lock:
-                self._release_slot(victim.offset, victim.header.payload_len)
+                self._release_slot(victim.offset, victim.header.payload_len, victim.account)
 
-    def _release_slot(self, offset: int, nbytes: int) -> None:
+    def _release_slot(self, offset: int, nbytes: int, account: str) -> None:
         self._alloc.free(offset, nbytes)
         self._used -= nbytes
+        self._accounts.refund(account, nbytes)
 
     def _unpin(self, entries: Sequence[_Entry | None]) -> None:
         with self._lock:
@@ -168,7 +191,7 @@ class MemoryTier(LocalTier):
                     continue
                 e.pins -= 1
                 if e.pins == 0 and e.deleted:
-                    self._release_slot(e.offset, e.header.payload_len)
+                    self._release_slot(e.offset, e.header.payload_len, e.account)
 
     def _pin(self, keys: Sequence[PageKey], count: bool = True) -> list[_Entry | None]:
         """Pin pages; ``count`` says whether this is a read to count (not lmkv's own bookkeeping)."""
@@ -181,20 +204,20 @@ class MemoryTier(LocalTier):
                 else:
                     e.pins += 1
                     if count:
-                        self._policy(e.header.payload_len).touch(k)
+                        self._policy(e.header.payload_len, e.account).touch(k)
                         self.stats.hits += 1
                 out.append(e)
             return out
 
-    def _insert(self, header: PageHeader, offset: int, bit: int) -> bool:
+    def _insert(self, header: PageHeader, offset: int, domain: str, account: str) -> bool:
         """Under the lock: publish a filled slot; a concurrent twin wins and this slot is freed."""
         twin = self._index.get(header.key)
         if twin is not None:
-            twin.domains |= bit
-            self._release_slot(offset, header.payload_len)
+            twin.domains = self._domains.add(twin.domains, domain)
+            self._release_slot(offset, header.payload_len, account)
             return True
-        self._index[header.key] = _Entry(offset, header, bit)
-        self._policy(header.payload_len).insert(header.key)
+        self._index[header.key] = _Entry(offset, header, self._domains.add(0, domain), account)
+        self._policy(header.payload_len, account).insert(header.key)
         if self.listener is not None:
             self.listener.added(header.key)
         self.stats.puts += 1
@@ -203,13 +226,14 @@ class MemoryTier(LocalTier):
 
     def _drop(self, e: _Entry) -> None:
         """Under the lock: forget a page already removed from the index."""
-        self._policy(e.header.payload_len).remove(e.header.key)
+        self._policy(e.header.payload_len, e.account).remove(e.header.key)
+        self._domains.release(e.domains)
         if self.listener is not None:
             self.listener.removed(e.header.key)
         if e.pins:
             e.deleted = True
         else:
-            self._release_slot(e.offset, e.header.payload_len)
+            self._release_slot(e.offset, e.header.payload_len, e.account)
 
     def _discard_corrupt(self, e: _Entry) -> None:
         with self._lock:
@@ -284,28 +308,28 @@ class MemoryTier(LocalTier):
             self._unpin([e])
 
     def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
+        check_domain(domain)
+        account = self._accounts.account_of(domain)
         results = []
-        with self._lock:
-            bit = self._domains.bit(domain)
         for header, payload in pages:
             with self._lock:
                 e = self._index.get(header.key)
                 if e is not None:
-                    e.domains |= bit
-                    self._policy(header.payload_len).touch(header.key)
+                    e.domains = self._domains.add(e.domains, domain)
+                    self._policy(header.payload_len, e.account).touch(header.key)
                     results.append(True)
                     continue
             src = np.frombuffer(as_bytes_view(payload), np.uint8)
             if len(src) != header.payload_len:
                 raise ValueError(f"payload has {len(src)} bytes, header says {header.payload_len}")
-            off = self._reserve(header.payload_len)
+            off = self._reserve(header.payload_len, account)
             if off is None:
                 self.stats.full += 1
                 results.append(False)
                 continue
             np.copyto(self._arena.view(off, header.payload_len), src)
             with self._lock:
-                results.append(self._insert(header, off, bit))
+                results.append(self._insert(header, off, domain, account))
         return results
 
     def delete(self, keys: Sequence[PageKey]) -> int:
@@ -320,11 +344,13 @@ class MemoryTier(LocalTier):
 
     def clear(self, domain: str) -> int:
         with self._lock:
-            bit = self._domains.bit(domain)
+            bit = self._domains.mask(domain)
+            if not bit:
+                return 0
             doomed = []
             for k, e in self._index.items():
                 if e.domains & bit:
-                    e.domains &= ~bit
+                    e.domains = self._domains.remove(e.domains, domain)
                     if not e.domains:
                         doomed.append(k)
             for k in doomed:
@@ -345,11 +371,13 @@ class MemorySession(WriteSession):
 
     def __init__(self, tier: MemoryTier, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> None:
         super().__init__(keys, layouts)
+        check_domain(domain)
         self._tier = tier
         self._domain = domain
+        self._account = tier._accounts.account_of(domain)
         self._offsets: list[int] = []
         for lay in self.layouts:
-            off = tier._reserve(lay.payload_bytes)
+            off = tier._reserve(lay.payload_bytes, self._account)
             if off is None:
                 self.abort()
                 tier.stats.full += 1
@@ -363,14 +391,13 @@ class MemorySession(WriteSession):
         headers = self.headers() if headers is None else headers
         tier = self._tier
         with tier._lock:
-            bit = tier._domains.bit(self._domain)
             results = []
             for h, off, lay in zip(headers, self._offsets, self.layouts):
                 if h is None:
-                    tier._release_slot(off, lay.payload_bytes)
+                    tier._release_slot(off, lay.payload_bytes, self._account)
                     results.append(False)
                 else:
-                    results.append(tier._insert(h, off, bit))
+                    results.append(tier._insert(h, off, self._domain, self._account))
         self._offsets = []
         self.closed = True
         return results
@@ -378,6 +405,6 @@ class MemorySession(WriteSession):
     def abort(self) -> None:
         with self._tier._lock:
             for off, lay in zip(self._offsets, self.layouts):
-                self._tier._release_slot(off, lay.payload_bytes)
+                self._tier._release_slot(off, lay.payload_bytes, self._account)
         self._offsets = []
         self.closed = True
