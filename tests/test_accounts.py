@@ -67,6 +67,7 @@ def test_a_full_tier_takes_room_from_whoever_holds_most_of_its_share(tmp_path, l
     assert len(tier) == 8
     b += _fill(tier, layout, "b.w", 2, 200)  # b is within its quota; the tier is full
     assert tier.contains(b) == [True] * 4  # b's room came from a, which held 6/6 of its share
+    assert tier.contains(a) == [False] * 2 + [True] * 4  # its oldest
     assert tier.usage("a").pages == 4 and tier.usage("b").pages == 4
 
 
