@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from lmkv.domains import DOMAIN_PATTERN, NAMESPACE_PATTERN
 
@@ -160,17 +160,62 @@ class RemoteConfig(_Section):
     shm_size: ByteSize = Field(ByteSize(64 << 20), description="shared-memory window per connection")
 
 
+#: a tenant's name: it appears in logs and stats, never in a key or a path
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$"
+#: a namespace a tenant may use: exact, or ending in ``*`` for every namespace it begins
+GRANT_PATTERN = r"^[\x21-\x7e]{1,256}$"
+
+
+class QuotaConfig(_Section):
+    """A tenant's share of the server (each unset: no limit). Bytes and pages are counted in each
+    local tier apart (room reserved for pages on their way counts too); at its limit a tenant's
+    writes evict its own least recently used pages, never another tenant's."""
+
+    memory_bytes: ByteSize | None = Field(None, description="bytes in the server's memory tier")
+    memory_pages: int | None = Field(None, ge=1, description="pages in the server's memory tier")
+    disk_bytes: ByteSize | None = Field(None, description="bytes in the server's disk tier")
+    disk_pages: int | None = Field(None, ge=1, description="pages in the server's disk tier")
+    domains: int = Field(256, ge=1, le=65536, description="residency domains owning pages at once")
+
+
+class TenantConfig(_Section):
+    """One tenant of ``lmkv serve``: its token opens only its namespaces, within its quota."""
+
+    name: str = Field(pattern=TENANT_PATTERN)
+    token: str | None = Field(None, min_length=16, description="the tenant's token (or token_file)")
+    token_file: str | None = Field(None, description="a file holding the token (first line)")
+    namespaces: list[Annotated[str, Field(pattern=GRANT_PATTERN)]] = Field(
+        min_length=1, description="namespaces its clients may name in HELLO; 'team-a/*' grants every one "
+        "beginning 'team-a/'")
+    quota: QuotaConfig = Field(default_factory=QuotaConfig)
+
+    @model_validator(mode="after")
+    def _one_token(self) -> TenantConfig:
+        if (self.token is None) == (self.token_file is None):
+            raise ValueError(f"tenant {self.name!r}: give token or token_file (one of them)")
+        return self
+
+
 class ServerConfig(_Section):
     """``lmkv serve``: the standalone cache server (its tiers are this config's memory, disk, remote)."""
 
     host: str = Field("127.0.0.1", description="bind address; anything but loopback requires a token")
     port: int = Field(7420, ge=0, le=65535, description="TCP port (0: any free port)")
-    token: str | None = Field(None, min_length=8, description="clients must present it (or LMKV_SERVER__TOKEN)")
+    token: str | None = Field(
+        None, min_length=8, description="one tenant: clients must present it and may then use every namespace "
+        "and see server-wide stats (or LMKV_SERVER__TOKEN; with tenants, unset)")
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="tenants, each with its token, namespaces and quota")
+    admin_token: str | None = Field(None, min_length=16, description="with tenants: server-wide stats and clears")
+    admin_token_file: str | None = Field(None, description="a file holding admin_token")
+    quota: QuotaConfig = Field(
+        default_factory=QuotaConfig, description="without tenants: the one tenant's quota")
     tls_cert: str | None = Field(None, description="PEM certificate: serve TLS")
     tls_key: str | None = Field(None, description="PEM private key for tls_cert")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus endpoint port (unset: off)")
     metrics_host: str = Field("127.0.0.1", description="Prometheus endpoint address (loopback unless set)")
-    metrics_auth: bool = Field(False, description="scrapes must send Authorization: Bearer <server.token>")
+    metrics_auth: bool = Field(
+        False, description="scrapes must send Authorization: Bearer <server.token, or admin_token with tenants>")
     max_connections: int = Field(256, ge=1, le=65536, description="clients served at once; more are refused")
     max_bulk: ByteSize = Field(ByteSize(256 << 20), description="largest request or reply body")
     idle_timeout: float = Field(600.0, gt=0, description="seconds a silent client keeps its connection")

@@ -21,7 +21,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -35,7 +35,8 @@ from lmkv.layout import GroupLayout
 from lmkv.lookup import Lookup, locate, prefix_lookup, tier_failed
 from lmkv.metrics import Metrics
 from lmkv.page import PageHeader, copy_units, make_header
-from lmkv.tiers.base import Tier, WriteSession, in_place_reader
+from lmkv.tiers.accounts import Accounts
+from lmkv.tiers.base import LocalTier, Tier, WriteSession, in_place_reader
 from lmkv.tiers.factory import open_tiers
 
 log = logging.getLogger(__name__)
@@ -87,11 +88,14 @@ def _read(tier: Tier, call: Callable[..., list[T]], *args) -> list[T] | None:
 
 
 class TieredStore:
-    def __init__(self, cfg: LMKVConfig, lower: Sequence[Tier] = ()) -> None:
-        """Memory first, then the disk tier if configured, then ``lower`` tiers, then ``remote.url``'s tier."""
+    def __init__(self, cfg: LMKVConfig, lower: Sequence[Tier] = (),
+                 accounts: Mapping[str, Accounts] | None = None) -> None:
+        """Memory first, then the disk tier if configured, then ``lower`` tiers, then ``remote.url``'s
+        tier. ``accounts``: who pages are charged to in the local tiers, and the limits (the server's
+        tenants; an engine's store has one account)."""
         self.cfg = cfg
         self.domain = cfg.domain
-        self.memory, below = open_tiers(cfg, on_evict=self._demote, lower=lower)
+        self.memory, below = open_tiers(cfg, on_evict=self._demote, lower=lower, accounts=accounts)
         self.tiers: list[Tier] = [self.memory, *below]
         self.writes = WriteStats()
         self.metrics = Metrics(lambda: self.tiers, lambda: self.writes)
@@ -324,6 +328,15 @@ class TieredStore:
 
     def delete(self, keys: Sequence[PageKey]) -> int:
         return sum(t.delete(keys) for t in self.tiers)
+
+    @property
+    def local_tiers(self) -> list[LocalTier]:
+        """The tiers whose index is in this process (memory, disk): where accounts are kept."""
+        return [t for t in self.tiers if isinstance(t, LocalTier)]
+
+    def domains(self, account: str) -> set[str]:
+        """The residency domains charged to ``account`` that own pages in a local tier."""
+        return set().union(*(t.domains(account) for t in self.local_tiers))
 
     # -- async -------------------------------------------------------------
 

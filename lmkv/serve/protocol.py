@@ -165,7 +165,11 @@ class Stored(msgspec.Struct):
 
 
 class Clear(msgspec.Struct):
-    domain: str
+    """Drop a residency domain of the caller's (``domain``), or, with admin rights, every page of
+    the tenant named ``tenant``."""
+
+    domain: str = ""
+    tenant: str | None = None
 
 
 class Count(msgspec.Struct):

@@ -6,10 +6,13 @@
   and from those slots straight to the socket: no intermediate copies. Unix-socket
   clients may pass sealed memfds (:mod:`lmkv.serve.shm_window`); bulk bytes then cross
   that memory instead of the socket. No path a client sends is ever opened.
-- Isolation: a client states its namespace once (``HELLO``); every key it sends
-  is qualified by that namespace before it touches a tier, and the page header
-  is re-keyed both ways, so one tenant's keys can never name another's pages.
-  Residency domains are qualified the same way (too long: refused, not cut).
+- Tenants (:mod:`lmkv.serve.tenants`): a token is a tenant; the namespace a client
+  names in ``HELLO`` must be one its token was granted. Every key it sends is
+  qualified by that namespace before it touches a tier, and the page header is
+  re-keyed both ways, so one tenant's keys can never name another's pages.
+  Residency domains are qualified by tenant and namespace (too long: refused, not
+  cut); pages are charged to the tenant, within its quota, in every local tier.
+  STATS and CLEAR see the caller's tenant only; the admin token sees the server.
 - Admission (:mod:`lmkv.serve.admission`): a token unless bound to loopback; a deadline
   for HELLO, a cap on connections still unauthenticated (the oldest goes), a
   client slot only after HELLO, a cap per peer, slower answers to wrong tokens.
@@ -23,7 +26,6 @@
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import mmap
@@ -70,7 +72,9 @@ from lmkv.serve.protocol import (
     read_frame,
     recv_exact,
 )
+from lmkv.serve.tenants import Counters, Tenant, Tenants
 from lmkv.store import TieredStore
+from lmkv.tiers.accounts import Limit
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +116,7 @@ class Client:
         self.authenticated = False
         self.unix_uid = unix_uid
         self.local = local
+        self.tenant: Tenant | None = None
         self.ns_seed: bytes | None = None
         self.ns_tag = ""
         self.window: np.ndarray | None = None  # the connection's staging window
@@ -126,11 +131,28 @@ class Client:
         return PageKey(xxhash.xxh3_128_digest(self.ns_seed + key))
 
     def domain(self, name: str) -> str:
-        """The client's residency domain qualified by its namespace (too long: refused)."""
+        """The client's residency domain qualified by its tenant and namespace (too long: refused)."""
         try:
             return qualified(self.ns_tag, name)
         except ValueError as e:
             raise _Refused(str(e)) from None
+
+    def owned_domain(self, name: str) -> str:
+        """A domain a PUT gives pages to: a new one only within the tenant's cap on live domains
+        (they are forgotten with their last page, so a cleared domain frees its place)."""
+        domain = self.domain(name)
+        assert self.tenant is not None
+        live = self.server.store.domains(self.tenant.tag)
+        cap = self.tenant.quota.domains
+        if domain not in live and len(live) >= cap:
+            raise _Refused(f"tenant {self.tenant.name!r} has {len(live)} residency domains owning pages, its "
+                           f"quota (quota.domains = {cap}); clear one first")
+        return domain
+
+    @property
+    def counters(self) -> Counters:
+        assert self.tenant is not None
+        return self.server.counters[self.tenant.name]
 
     def reply(self, obj, bulk_len: int = 0) -> None:
         self.sock.sendall(frame(0, encode(obj), bulk_len))
@@ -158,8 +180,10 @@ class Client:
                     return
                 try:
                     req = decode_request(op, meta)
-                    if self.ns_seed is None and op != Op.HELLO:
+                    if self.tenant is None and op != Op.HELLO:
                         raise _Refused("the first request must be HELLO")
+                    if op in PAGE_OPS and self.ns_seed is None:
+                        raise _Refused("the admin token grants stats and clears, not pages")
                     self.handle(Op(op), req, bulk, store)
                 except (_Refused, ValueError) as e:  # refused before its bulk was read: drop the bulk
                     if bulk:
@@ -188,25 +212,48 @@ class Client:
             _check_keys(req.keys)
             self.reply(Count(store.delete([self.inner(k) for k in req.keys])))
         elif op is Op.CLEAR:
-            self.reply(Count(store.clear(self.domain(req.domain))))
+            self.reply(Count(self.clear(req, store)))
         elif op is Op.STATS:
-            self.reply(Stats(store.stats()))
+            assert self.tenant is not None
+            self.reply(Stats(self.server.stats(None if self.tenant.admin else self.tenant)))
+
+    def clear(self, req, store: TieredStore) -> int:
+        """One of the caller's domains, or (admin) every page of a tenant."""
+        assert self.tenant is not None
+        if req.tenant is None:
+            if self.ns_seed is None:
+                raise _Refused("name the tenant to clear (the admin token holds no domains)")
+            return store.clear(self.domain(req.domain))
+        if not self.tenant.admin:
+            raise _Refused("clearing a tenant needs the admin token")
+        target = self.server.tenants.by_name(req.tenant)
+        if target is None:
+            raise _Refused(f"no tenant {req.tenant!r}")
+        log.warning("lmkv serve: %s clears every page of tenant %r", self.peer, target.name)
+        return sum(store.clear(d) for d in store.domains(target.tag))
 
     def hello(self, req) -> None:
         cfg = self.server.cfg.server
-        if self.ns_seed is not None:
+        if self.tenant is not None:
             raise _Fatal("HELLO twice on one connection")
         if req.version != PROTOCOL_VERSION:
             raise _Fatal(f"protocol version {req.version}; this server speaks {PROTOCOL_VERSION}")
-        if cfg.token is not None and not hmac.compare_digest((req.token or "").encode(), cfg.token.encode()):
+        tenant = self.server.tenants.authenticate(req.token)
+        if tenant is None:
             time.sleep(self.server.auth_failures.failed(self.origin, "wrong token" if req.token else "no token"))
             raise _Fatal("authentication failed")
         try:
             check_namespace(req.namespace)
         except ValueError as e:
             raise _Fatal(str(e)) from None
-        self.ns_seed = xxhash.xxh3_128_digest(b"lmkv-ns\0" + req.namespace.encode())
-        self.ns_tag = xxhash.xxh3_64_hexdigest(req.namespace.encode())[:12]
+        if tenant.holds_pages:
+            if not tenant.grants(req.namespace):
+                log.warning("lmkv serve: %s: tenant %r may not use namespace %r", self.peer, tenant.name,
+                            req.namespace)
+                raise _Fatal(f"namespace {req.namespace!r} is not granted to this token")
+            self.ns_seed = xxhash.xxh3_128_digest(b"lmkv-ns\0" + req.namespace.encode())
+            self.ns_tag = f"{tenant.tag}.{xxhash.xxh3_64_hexdigest(req.namespace.encode())[:12]}"
+        self.tenant = tenant
         if self.unix_uid is not None:
             self.window, self.arena = self.receive_windows(req.window, req.arena)
         self.server.admit(self)
@@ -288,6 +335,10 @@ class Client:
                     continue
                 headers.append(rekey(h, k).pack())
                 found.append((i, v))
+            counters = self.counters
+            counters.hits += len(found)
+            counters.misses += len(req.keys) - len(found)
+            counters.get_bytes += len(found) * per_page
             if dst is not None:
                 mem, offsets = dst
                 for i, v in found:
@@ -337,10 +388,12 @@ class Client:
         if src is None and bulk != total:
             raise _Refused(f"bulk of {bulk} bytes; the headers describe {total}")
         inner = [rekey(h, self.inner(h.key)) for h in headers]
+        domain = self.owned_domain(req.domain)
         try:
-            session = store.open_session([h.key for h in inner], lays, self.domain(req.domain))
+            session = store.open_session([h.key for h in inner], lays, domain)
         except TierFullError:
             discard(self.sock, bulk)
+            self.counters.refused += len(headers)
             self.reply(Stored([False] * len(headers)))
             return
         # The pages' room is reserved now: they must arrive soon, or the reservation is dropped
@@ -356,6 +409,10 @@ class Client:
                     recv_exact(self.sock, memoryview(dst), deadline)
             stored = session.commit(inner)
         self.sock.settimeout(self.server.cfg.server.idle_timeout)
+        counters = self.counters
+        counters.puts += sum(stored)
+        counters.put_bytes += sum(h.payload_len for h, ok in zip(headers, stored) if ok)
+        counters.refused += len(stored) - sum(stored)
         self.reply(Stored(stored))
 
     def close(self) -> None:
@@ -376,23 +433,30 @@ class _Fatal(_Refused):
     """Refused, and the connection is closed (failed authentication, wrong protocol)."""
 
 
+#: requests that touch pages: only a token granted namespaces may send them
+PAGE_OPS = {Op.EXISTS, Op.GET, Op.PUT, Op.DELETE}
+
+
 class Server:
     def __init__(self, cfg: LMKVConfig) -> None:
         sc = cfg.server
-        if not is_loopback(sc.host) and not sc.token:
+        self.tenants = Tenants.from_config(sc)
+        if not is_loopback(sc.host) and self.tenants.open:
             raise ConfigError(
                 f"server.host = {sc.host!r}: a server reachable from other hosts needs server.token "
-                "(or bind to 127.0.0.1)"
+                "or server.tenants (or bind to 127.0.0.1)"
             )
-        if sc.metrics_auth and not sc.token:
-            raise ConfigError("server.metrics_auth: scrapes present server.token, which is not set")
+        if sc.metrics_auth and not self.tenants.admin_token:
+            raise ConfigError("server.metrics_auth: scrapes present server.token (server.admin_token with tenants), "
+                              "which is not set")
         if sc.metrics_port is not None and not is_loopback(sc.metrics_host) and not sc.metrics_auth:
             log.warning("lmkv serve: metrics on %s without server.metrics_auth: anyone who reaches it reads "
                         "every counter", sc.metrics_host)
         if bool(sc.tls_cert) != bool(sc.tls_key):
             raise ConfigError("server.tls_cert and server.tls_key go together")
         self.cfg = cfg
-        self.store = TieredStore(cfg)
+        self.store = TieredStore(cfg, accounts={tier: self.tenants.accounts(tier) for tier in ("memory", "disk")})
+        self.counters = {t.name: Counters() for t in self.tenants.tenants}
         self.stopping = threading.Event()
         self._slots = threading.BoundedSemaphore(sc.max_connections)
         # connections not authenticated yet, oldest first (id of the raw socket -> it, its peer)
@@ -419,7 +483,7 @@ class Server:
             self.unix.listen(128)
         self._metrics_server = None
         if sc.metrics_port is not None:
-            token = sc.token if sc.metrics_auth else None
+            token = self.tenants.admin_token if sc.metrics_auth else None
             self._metrics_server = serve_metrics(self.store.metrics.registry, sc.metrics_host, sc.metrics_port, token)
             self.metrics_port = self._metrics_server.server_port
 
@@ -496,6 +560,29 @@ class Server:
                     self._drop_pending_key(id(raw))
         finally:
             self._peers.leave(origin)
+
+    def stats(self, tenant: Tenant | None) -> dict[str, dict[str, int]]:
+        """STATS: a tenant sees its own pages, quota and counters; ``None`` (admin) the whole server
+        and every tenant's summary."""
+        if tenant is not None:
+            return self._tenant_stats(tenant)
+        out = self.store.stats()
+        for t in self.tenants.tenants:
+            if t.holds_pages:
+                out[f"tenant:{t.name}"] = self._tenant_stats(t)["tenant"]
+        return out
+
+    def _tenant_stats(self, tenant: Tenant) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        pages = used = 0
+        for tier in self.store.local_tiers:
+            u, lim = tier.usage(tenant.tag), tier.limit(tenant.tag) or Limit()
+            out[tier.name] = {"pages": u.pages, "used_bytes": u.bytes, "quota_bytes": lim.bytes or 0,
+                              "quota_pages": lim.pages or 0}
+            pages, used = pages + u.pages, used + u.bytes
+        out["tenant"] = {**vars(self.counters[tenant.name]), "pages": pages, "used_bytes": used,
+                         "domains": len(self.store.domains(tenant.tag)), "quota_domains": tenant.quota.domains}
+        return out
 
     def admit(self, client: Client) -> None:
         """HELLO succeeded: the connection trades its unauthenticated slot for a client slot."""

@@ -9,11 +9,12 @@ pages up (:func:`open_views`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from lmkv.config import ConfigError, LMKVConfig, RemoteConfig
 from lmkv.lookup import HasContains
+from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import Tier
 from lmkv.tiers.disk import DiskTier, DiskView
 from lmkv.tiers.faults import faulty
@@ -45,17 +46,19 @@ def open_remote(cfg: RemoteConfig, namespace: str = "default") -> RemoteTier | N
     )
 
 
-def open_tiers(cfg: LMKVConfig, on_evict: EvictHook | None = None,
-               lower: Sequence[Tier] = ()) -> tuple[MemoryTier, list[Tier]]:
+def open_tiers(cfg: LMKVConfig, on_evict: EvictHook | None = None, lower: Sequence[Tier] = (),
+               accounts: Mapping[str, Accounts] | None = None) -> tuple[MemoryTier, list[Tier]]:
     """The memory tier and the tiers below it, fastest first: the disk tier if configured, then
     ``lower``, then ``remote.url``'s tier. Tiers named under ``faults`` come wrapped in their
-    fault injectors. A same-host lmkv server is given the memory tier's arena to write into."""
+    fault injectors. A same-host lmkv server is given the memory tier's arena to write into.
+    ``accounts``: per local tier ("memory", "disk"), who pages are charged to and the limits."""
+    accounts = accounts or {}
     remote = open_remote(cfg.remote, cfg.namespace)
     share = remote is not None and remote.wants_arena
-    memory = MemoryTier(cfg.memory, on_evict=on_evict, shared=share)
+    memory = MemoryTier(cfg.memory, on_evict=on_evict, shared=share, accounts=accounts.get("memory"))
     if remote is not None and share and memory.arena_window is not None:
         remote.share_arena(memory.arena_window)
-    below: list[Tier] = [DiskTier(cfg.disk)] if cfg.disk.path else []
+    below: list[Tier] = [DiskTier(cfg.disk, accounts=accounts.get("disk"))] if cfg.disk.path else []
     below.extend(lower)
     if remote is not None:
         below.append(remote)
