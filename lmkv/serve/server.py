@@ -577,8 +577,8 @@ class Server:
         pages = used = 0
         for tier in self.store.local_tiers:
             u, lim = tier.usage(tenant.tag), tier.limit(tenant.tag) or Limit()
-            out[tier.name] = {"pages": u.pages, "used_bytes": u.bytes, "quota_bytes": lim.bytes or 0,
-                              "quota_pages": lim.pages or 0}
+            out[tier.name] = {"pages": u.pages, "used_bytes": u.bytes, "quota_pages": lim.pages or 0,
+                              "capacity_bytes": min(lim.bytes or tier.capacity_bytes, tier.capacity_bytes)}
             pages, used = pages + u.pages, used + u.bytes
         out["tenant"] = {**vars(self.counters[tenant.name]), "pages": pages, "used_bytes": used,
                          "domains": len(self.store.domains(tenant.tag)), "quota_domains": tenant.quota.domains}

@@ -423,8 +423,16 @@ class ServerTier(RemoteTier):
         with self._conn() as c:
             return c.call(Op.CLEAR, Clear(domain), Count).count
 
+    def clear_tenant(self, tenant: str) -> int:
+        """Drop every page of ``tenant`` (the admin token's right); returns pages deleted."""
+        def call() -> int:
+            with self._conn() as c:
+                return c.call(Op.CLEAR, Clear(tenant=tenant), Count).count
+        return self._call(call)
+
     def _fetch_usage(self) -> tuple[int, int, int]:
-        tiers = self._stats()
+        """Bytes used, capacity and pages over the server's tiers (for a tenant: its share of them)."""
+        tiers = {n: t for n, t in self._stats().items() if "capacity_bytes" in t}
         return (sum(t.get("used_bytes", 0) for t in tiers.values()),
                 sum(t.get("capacity_bytes", 0) for t in tiers.values()),
                 max((t.get("pages", 0) for t in tiers.values()), default=0))
