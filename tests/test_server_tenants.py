@@ -225,3 +225,24 @@ def test_raw_frames_of_the_admin_are_refused_page_ops(shared):
         assert status == 0 and decode_reply(meta, Count).count == 0
         c.sendall(frame(Op.PING, encode(Empty())))
         assert read_frame(c, 1 << 20)[0] == 0
+
+
+def test_the_readmes_multi_tenant_example_is_a_valid_configuration(tmp_path):
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from lmkv.config import LMKVConfig
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"```yaml\n(# lmkv serve --file serve.yaml.*?)```", readme, re.S)
+    assert block, "the README's multi-tenant example is gone"
+    data = yaml.safe_load(block.group(1).replace("/etc/lmkv/", f"{tmp_path}/"))
+    for name, token in (("admin", ADMIN_TOKEN), ("search", A_TOKEN), ("chat", B_TOKEN)):
+        (tmp_path / f"{name}.token").write_text(token + "\n")
+        (tmp_path / f"{name}.token").chmod(0o600)
+    tenants = Tenants.from_config(LMKVConfig.model_validate(data).server)
+    assert tenants.authenticate(A_TOKEN).grants("search/user-1")
+    assert not tenants.authenticate(B_TOKEN).grants("search")
+    assert tenants.authenticate(ADMIN_TOKEN).admin
