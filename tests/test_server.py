@@ -55,6 +55,29 @@ def test_roundtrip(server, layout, shm):
     t.close()
 
 
+@pytest.mark.parametrize("shm", ["never", "auto"])
+def test_a_page_corrupt_in_its_last_chunk_is_caught_and_the_next_pages_still_land(server, shm):
+    """Pages are verified chunk by chunk as they arrive (over the socket, or out of the staging
+    window): a bad unit near a page's end fails that page only, and the stream stays in step for
+    the pages after it in the same reply."""
+    from lmkv.layout import attention_layout
+
+    big = attention_layout("big", num_layers=8, tokens_per_page=64, num_kv_heads=4, head_size=128,
+                           dtype_bytes=2, dtype="bfloat16")  # 16 units of 64 KiB: 4 landing chunks
+    t = _tier(server.url, shm=shm)
+    keys, payloads, pages = make_pages(big, 3, seed=7)
+    bad = payloads[1].copy()
+    bad[big.unit_ranges[14][0] + 5] ^= 0x10  # unit 14 of 16: the page's last chunk
+    pages[1] = (pages[1][0], bad)  # its header still describes the good bytes
+    assert t.put(pages, "engine") == [True] * 3
+    outs = [np.zeros(big.payload_bytes, np.uint8) for _ in keys]
+    got = t.get(keys, big, outs)
+    assert got[0] is not None and got[1] is None and got[2] is not None
+    assert np.array_equal(outs[0], payloads[0]) and np.array_equal(outs[2], payloads[2])
+    assert t.stats.corrupt == 1
+    t.close()
+
+
 def test_namespaces_are_isolated(server, layout):
     a, b = _tier(server.url, namespace="tenant-a"), _tier(server.url, namespace="tenant-b")
     keys, payloads, pages = make_pages(layout, 3)
