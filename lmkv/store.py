@@ -135,9 +135,13 @@ class TieredStore:
                     for i, h in zip(here, got):
                         results[i] = h
                     if depth > 0 and self.cfg.store.promote_on_hit:
-                        promote = [(h, outs[i]) for i, h in zip(here, got) if h is not None]
-                        if promote:
-                            self.memory.put(promote, self.domain)
+                        owners = self._owners(tier, [keys[i] for i in here])
+                        by_owner: dict[str, list] = {}
+                        for i, h, owner in zip(here, got, owners):
+                            if h is not None:
+                                by_owner.setdefault(owner, []).append((h, outs[i]))
+                        for owner, promote in by_owner.items():
+                            self.memory.put(promote, owner)
                 todo = [i for i in todo if results[i] is None]
             return results
 
@@ -163,7 +167,11 @@ class TieredStore:
             session = None
             if self.cfg.store.promote_on_hit:
                 try:
-                    session = self.memory.open_session(want, [layout] * len(want), self.domain)
+                    owners = [""] * len(want)
+                    for tier, held in holders:
+                        for i, owner in zip(held, self._owners(tier, [keys[i] for i in held])):
+                            owners[at[i]] = owner
+                    session = self.memory.open_session(want, [layout] * len(want), self.domain, owners)
                 except TierFullError:
                     pass
             bufs: list[np.ndarray | None]
@@ -221,6 +229,13 @@ class TieredStore:
                             copy_units(layout, view, units[i])
                             results[i] = header
             return results
+
+    def _owners(self, tier: Tier, keys: Sequence[PageKey]) -> list[str]:
+        """Who a promoted copy of each page belongs to: the domain owning it in the tier it came
+        from (on a server, a tenant's, so its quota pays for the copy), else this store's."""
+        if not isinstance(tier, LocalTier):
+            return [self.domain] * len(keys)
+        return [(tier.owners(k) or [self.domain])[0] for k in keys]
 
     def _holders(self, keys: Sequence[PageKey], todo: Sequence[int]) -> list[tuple[Tier, list[int]]]:
         """Pages ``todo`` of ``keys`` that a lower tier holds, grouped by the fastest one that does

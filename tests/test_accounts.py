@@ -131,3 +131,32 @@ def test_registry_counts_pages_per_domain():
     assert forgot == ["a.y"]  # m2 still holds a.x
     reg.release(m2)
     assert forgot == ["a.y", "a.x"] and len(reg) == 0 and reg.mask("a.x") == 0
+
+
+@pytest.mark.parametrize("read", ["fetch", "get"])
+def test_a_copy_promoted_from_disk_keeps_its_owner_and_is_charged_to_it(tmp_path, layout, read):
+    """On a server, a page read back from disk into memory is the tenant's, within its quota (not
+    the server's own domain's, outside every quota and every tenant's clear)."""
+    from lmkv.config import LMKVConfig
+    from lmkv.store import TieredStore
+
+    cfg = LMKVConfig(memory={"capacity": 8 * layout.payload_bytes, "slab_size": 2 * layout.payload_bytes},
+                     disk={"path": str(tmp_path), "io": "buffered"})
+    accounts = {"memory": Accounts({"a": Limit(pages=4)}, account_of), "disk": Accounts({}, account_of)}
+    with TieredStore(cfg, accounts=accounts) as store:
+        keys = [random_key() for _ in range(6)]
+        payloads = [random_payload(layout, i) for i in range(6)]
+        store.put(keys, [layout] * 6, payloads, domain="a.w")
+        store.drain()
+        assert store.memory.usage("a").pages == 4 and store.memory.contains(keys[:2]) == [False] * 2
+        if read == "fetch":
+            with store.fetch(keys[:2], layout) as f:
+                assert all(h is not None for h in f.headers)
+        else:
+            outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in range(2)]
+            assert all(h is not None for h in store.get(keys[:2], layout, outs))
+        assert store.memory.contains(keys[:2]) == [True] * 2
+        assert [store.memory.owners(k) for k in keys[:2]] == [["a.w"]] * 2
+        assert store.memory.usage("a").pages == 4  # within its quota still
+        assert store.clear("a.w") == 6 + 4  # every copy goes with the tenant's domain (disk 6, memory 4)
+        assert len(store.memory) == 0

@@ -361,23 +361,28 @@ class MemoryTier(LocalTier):
         with self._lock:
             return list(self._index)
 
-    def open_session(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> MemorySession:
-        return MemorySession(self, keys, layouts, domain)
+    def open_session(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str,
+                     owners: Sequence[str] | None = None) -> MemorySession:
+        """``owners``: a domain per page instead of ``domain`` for all (copies promoted from a lower
+        tier keep the owner they had there)."""
+        return MemorySession(self, keys, layouts, domain, owners)
 
 
 
 class MemorySession(WriteSession):
     """Reserves arena slots up front; the engine's bytes are written straight into them."""
 
-    def __init__(self, tier: MemoryTier, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> None:
+    def __init__(self, tier: MemoryTier, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str,
+                 owners: Sequence[str] | None = None) -> None:
         super().__init__(keys, layouts)
-        check_domain(domain)
         self._tier = tier
-        self._domain = domain
-        self._account = tier._accounts.account_of(domain)
+        self._domains = list(owners) if owners is not None else [domain] * len(self.keys)
+        for d in set(self._domains):
+            check_domain(d)
+        self._accounts = [tier._accounts.account_of(d) for d in self._domains]
         self._offsets: list[int] = []
-        for lay in self.layouts:
-            off = tier._reserve(lay.payload_bytes, self._account)
+        for lay, account in zip(self.layouts, self._accounts):
+            off = tier._reserve(lay.payload_bytes, account)
             if off is None:
                 self.abort()
                 tier.stats.full += 1
@@ -392,19 +397,20 @@ class MemorySession(WriteSession):
         tier = self._tier
         with tier._lock:
             results = []
-            for h, off, lay in zip(headers, self._offsets, self.layouts):
+            for h, off, lay, domain, account in zip(headers, self._offsets, self.layouts, self._domains,
+                                                    self._accounts):
                 if h is None:
-                    tier._release_slot(off, lay.payload_bytes, self._account)
+                    tier._release_slot(off, lay.payload_bytes, account)
                     results.append(False)
                 else:
-                    results.append(tier._insert(h, off, self._domain, self._account))
+                    results.append(tier._insert(h, off, domain, account))
         self._offsets = []
         self.closed = True
         return results
 
     def abort(self) -> None:
         with self._tier._lock:
-            for off, lay in zip(self._offsets, self.layouts):
-                self._tier._release_slot(off, lay.payload_bytes, self._account)
+            for off, lay, account in zip(self._offsets, self.layouts, self._accounts):
+                self._tier._release_slot(off, lay.payload_bytes, account)
         self._offsets = []
         self.closed = True
