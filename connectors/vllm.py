@@ -103,6 +103,18 @@ def _tp(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
     return size, get_tensor_model_parallel_rank()
 
 
+def _pp(vllm_config: VllmConfig, role: KVConnectorRole) -> tuple[int, int]:
+    """(pipeline stages, this worker's stage). The scheduler keys lookups by stage 0's pages, as
+    it does by TP rank 0's: every stage stores its pages in the same step, and a stage that
+    misses its own reports a failed load, recomputed."""
+    size = vllm_config.parallel_config.pipeline_parallel_size
+    if role is KVConnectorRole.SCHEDULER or size == 1:
+        return size, 0
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return size, get_pp_group().rank_in_group
+
+
 def _salt(request: Request) -> str:
     """What isolates a request's keys beyond the namespace: vLLM's cache salt and the LoRA adapter."""
     parts = []
@@ -128,16 +140,17 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         model = vllm_config.model_config
         self.model_id = self.cfg.model_id or f"{model.model}@{model.revision or ''}"
         tp_size, tp_rank = _tp(vllm_config, role)
+        pp_size, pp_rank = _pp(vllm_config, role)
         self.group_ids = transfer_group_ids(kv_cache_config)
         try:
-            self.groups = group_layouts(kv_cache_config, tp_size, tp_rank)
+            self.groups = group_layouts(kv_cache_config, tp_size, tp_rank, pp_size, pp_rank)
             sizes = {g.tokens_per_page for g in self.groups}
         except NotImplementedError as e:
             # Restoring some groups of a model but not others would produce wrong tokens: serve nothing.
             log.warning("lmkv: not caching this model's KV (%s); the engine runs as without lmkv", e)
             self.group_ids, self.groups, sizes = [], [], set()
         self.tokens_per_page = sizes.pop() if sizes else vllm_config.cache_config.block_size
-        self._scope = f"{self._kv_transfer_config.engine_id}/tp{tp_rank}"
+        self._scope = f"{self._kv_transfer_config.engine_id}/pp{pp_rank}/tp{tp_rank}"
         self._requests: dict[str, Request] = {}
         self.scheduler: OffloadScheduler | None = None
         self.worker: LayerwiseTransfer | None = None

@@ -50,8 +50,10 @@ def _state_segments(spec) -> tuple[Segment, ...]:
     )
 
 
-def group_layouts(kv_cache_config, tp_size: int, tp_rank: int) -> list[GroupLayout]:
-    """Layouts of the transferable groups, in ``transfer_group_ids`` order.
+def group_layouts(kv_cache_config, tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0) -> list[GroupLayout]:
+    """Layouts of the transferable groups, in ``transfer_group_ids`` order; ``pp_rank`` of
+    ``pp_size``: the pipeline stage whose layers ``kv_cache_config`` describes (part of each
+    page's identity: two stages of equal shape must never read each other's pages).
 
     Pages are the attention groups' blocks; a Mamba group's page is its state at a page
     boundary (one per stored boundary), so it takes the attention page size as its
@@ -98,6 +100,8 @@ def group_layouts(kv_cache_config, tp_size: int, tp_rank: int) -> list[GroupLayo
                 tp_rank=tp_rank,
                 tp_replicas=replicas,
                 sliding_window=window,
+                pp_size=pp_size,
+                pp_rank=pp_rank,
             )
         )
     return out

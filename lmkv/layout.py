@@ -62,6 +62,10 @@ class GroupLayout:
     tp_replicas: int = 1
     sliding_window: int | None = None  # tokens; None where the engine itself picks the window's pages (SGLang)
     growth: Growth = field(default=None)  # type: ignore[assignment]  # derived from kind when omitted
+    # pipeline parallelism: a stage holds other layers of the model under the same prefix, so its
+    # pages are other bytes (a different identity, never one the other stages read)
+    pp_size: int = 1
+    pp_rank: int = 0
 
     def __post_init__(self) -> None:
         growth = cast(Growth | None, self.growth)  # (None until derived here: the field's default)
@@ -81,6 +85,8 @@ class GroupLayout:
             problems.append(f"tokens_per_page={self.tokens_per_page} must be >= 1")
         if not 0 <= self.tp_rank < self.tp_size:
             problems.append(f"tp_rank={self.tp_rank} outside tp_size={self.tp_size}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            problems.append(f"pp_rank={self.pp_rank} outside pp_size={self.pp_size}")
         if self.tp_replicas < 1 or self.tp_size % self.tp_replicas:
             problems.append(f"tp_replicas={self.tp_replicas} must divide tp_size={self.tp_size}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -142,11 +148,13 @@ class GroupLayout:
 
     @functools.cached_property
     def fingerprint(self) -> int:
-        """64-bit identity of the byte layout; ranks of one group share it."""
+        """64-bit identity of the byte layout; the TP ranks of one group share it, pipeline stages
+        do not (each holds other layers)."""
         canon = (
             f"{self.kind.value}|{self.growth.value}|{self.num_layers}|{self.tokens_per_page}|"
             f"{self.dtype}|{self.sliding_window}|{self.num_shards}|"
             + ",".join(f"{s.name}:{s.nbytes}" for s in self.segments)
+            + (f"|pp{self.pp_rank}/{self.pp_size}" if self.pp_size > 1 else "")
         )
         return xxhash.xxh3_64_intdigest(canon.encode())
 
@@ -163,6 +171,8 @@ class GroupLayout:
     def describe(self) -> str:
         segs = "+".join(f"{s.name}:{s.nbytes}" for s in self.segments)
         tp = f"shard {self.shard}/{self.num_shards}" if self.is_sharded else f"replicated x{self.tp_replicas}"
+        if self.pp_size > 1:
+            tp += f", stage {self.pp_rank}/{self.pp_size}"
         return (
             f"{self.name}: {self.kind.value}, {self.num_layers} layers x [{segs}] bytes, "
             f"{self.tokens_per_page} tokens/page, {self.payload_bytes} bytes/page, {tp}"

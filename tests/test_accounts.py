@@ -98,7 +98,8 @@ def test_restarted_disk_charges_pages_to_their_accounts_and_trims_on_the_next_wr
     assert tier.usage("a").pages == 5 and tier.contains(a) == [True] * 5
     a += _fill(tier, layout, "a.w", 1, 50)
     assert tier.usage("a").pages == 3
-    assert tier.contains(a) == [False] * 3 + [True] * 3
+    present = tier.contains(a)  # (the order a restart knows is the files' mtimes: ties are possible)
+    assert present[5] and sum(present[:5]) == 2
 
 
 def test_domains_are_forgotten_with_their_last_page(tmp_path, layout):

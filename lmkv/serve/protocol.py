@@ -92,12 +92,14 @@ class LayoutMsg(msgspec.Struct, array_like=True):
     tp_replicas: int
     sliding_window: int | None
     growth: str
+    pp_size: int = 1
+    pp_rank: int = 0
 
     @classmethod
     def of(cls, lay: GroupLayout) -> LayoutMsg:
         return cls(lay.name, lay.kind.value, lay.num_layers, [(s.name, s.nbytes) for s in lay.segments],
                    lay.tokens_per_page, lay.dtype, lay.tp_size, lay.tp_rank, lay.tp_replicas,
-                   lay.sliding_window, lay.growth.value)
+                   lay.sliding_window, lay.growth.value, lay.pp_size, lay.pp_rank)
 
     def layout(self) -> GroupLayout:
         """The layout, validated and bounded (raises ValueError on anything inconsistent)."""
@@ -105,7 +107,8 @@ class LayoutMsg(msgspec.Struct, array_like=True):
             raise ValueError(f"{self.num_layers} layers x {len(self.segments)} segments is out of bounds")
         return GroupLayout(self.name, StateKind(self.kind), self.num_layers,
                            tuple(Segment(n, b) for n, b in self.segments), self.tokens_per_page, self.dtype,
-                           self.tp_size, self.tp_rank, self.tp_replicas, self.sliding_window, Growth(self.growth))
+                           self.tp_size, self.tp_rank, self.tp_replicas, self.sliding_window, Growth(self.growth),
+                           self.pp_size, self.pp_rank)
 
 
 class Hello(msgspec.Struct):
