@@ -320,11 +320,15 @@ class TieredStore:
                 self.writes.retried += sum(ok)
 
     def _demote(self, evicted: list[tuple[PageHeader, np.ndarray, list[str]]]) -> None:
-        """Memory evicted these pages: keep them in the next tier down (write-back)."""
+        """Memory evicted these pages: keep them in the next tier down, unless it holds them already
+        (written through, or promoted from there): a page is never written to a tier twice."""
         if len(self.tiers) < 2:
             return
         nxt = self.tiers[1]
-        for header, view, owners in evicted:
+        held = _read(nxt, nxt.contains, [h.key for h, _, _ in evicted]) or [False] * len(evicted)
+        for (header, view, owners), there in zip(evicted, held):
+            if there:
+                continue
             for domain in owners or [self.domain]:
                 self.write_down(nxt, [(header, view)], domain, from_memory=False)
 
