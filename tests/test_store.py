@@ -100,18 +100,52 @@ def test_clear_is_scoped_to_a_domain_in_every_tier(tmp_path, layout):
         assert st.tiers[1].contains(theirs) == [True, True]
 
 
-def test_async_api(tmp_path, layout):
-    async def go(st):
+@pytest.mark.asyncio
+async def test_async_api(tmp_path, layout):
+    with _store(tmp_path, layout) as st:
         keys = _prefix_keys(layout, 2)
         payloads = [random_payload(layout, i) for i in range(2)]
         assert await st.aput(keys, [layout] * 2, payloads) == [True, True]
         assert (await st.alookup(keys)).pages == 2
         outs = [np.zeros_like(p) for p in payloads]
         await asyncio.gather(*(st.aget([k], layout, [o]) for k, o in zip(keys, outs)))
-        return all((o == p).all() for o, p in zip(outs, payloads))
+        assert all((o == p).all() for o, p in zip(outs, payloads))
 
-    with _store(tmp_path, layout) as st:
-        assert asyncio.run(go(st))
+
+@pytest.mark.asyncio
+async def test_async_api_over_the_server_from_many_coroutines(layout):
+    """The store's async calls run on its I/O threads: coroutines sharing one store over an lmkv
+    server (its client pool, its verifier) all get their own pages back, and the event loop is
+    never blocked by a transfer (a ticker keeps running meanwhile)."""
+    from lmkv.dev.server_process import spawn
+
+    with spawn("--memory", "64MiB") as server:
+        cfg = load_config({"memory": {"capacity": 4 * layout.payload_bytes, "slab_size": layout.payload_bytes},
+                           "store": {"write_policy": "write_through"}, "remote": {"url": server.url}}, environ={})
+        with TieredStore(cfg) as st:
+            ticks = 0
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.001)
+                    ticks += 1
+
+            async def client(c: int) -> bool:
+                keys = _prefix_keys(layout, 3, salt=100 + c)
+                payloads = [random_payload(layout, 10 * c + i) for i in range(3)]
+                assert await st.aput(keys, [layout] * 3, payloads) == [True] * 3
+                await asyncio.to_thread(st.drain)  # the copies down to the server, off the loop
+                outs = [np.zeros_like(p) for p in payloads]
+                got = await st.aget(keys, layout, outs)
+                return all(h is not None for h in got) and all((o == p).all() for o, p in zip(outs, payloads))
+
+            tick = asyncio.create_task(ticker())
+            results = await asyncio.gather(*(client(c) for c in range(12)))
+            tick.cancel()
+            assert all(results)
+            assert ticks > 0
+            assert st.tiers[-1].stats.hits > 0  # most pages came back from the server (memory holds 4)
 
 
 def test_metrics_count_hits_misses_bytes_and_latency(tmp_path, layout):
