@@ -11,6 +11,7 @@ TTFT is the wall time of a one-token generation, so it is prefill plus one step.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 from dataclasses import dataclass
@@ -35,9 +36,20 @@ class DemoArgs:
     disk: str | None = None
 
 
+class _QuietWarmup(logging.Filter):
+    """vLLM warms up a chat template at start-up and, with no tokenizer (the demo's token-id
+    prompts), logs the harmless failure with a traceback that reads as the demo failing. The demo
+    drops that one record; a user's own runs keep vLLM's logging as they configured it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
+
+
 def _engine(model: Path, disk: str, doc_tokens: int):
     from vllm import LLM
     from vllm.config import KVTransferConfig
+
+    logging.getLogger("vllm.renderers.base").addFilter(_QuietWarmup())
 
     return LLM(
         model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
