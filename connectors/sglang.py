@@ -8,9 +8,9 @@ Loaded with SGLang's ``dynamic`` backend::
         "module_path": "lmkv.connectors.sglang", "class_name": "LMKVHiCacheStorage",
         "interface_v1": 1, "disk": {"path": "/var/cache/lmkv"}, "remote": {"url": "lmkv://host:7420"}}'
 
-Every key other than SGLang's own (``backend_name``, ``module_path``,
-``class_name``, ``interface_v1``) is lmkv configuration, validated like the vLLM
-connector's. ``interface_v1`` makes SGLang call the zero-copy methods
+Every key other than SGLang's own (:data:`SGLANG_KEYS`: the factory's, ``interface_v1``,
+``allocator``, the prefetch settings) is lmkv configuration, validated like the vLLM
+connector's: a misspelt lmkv key fails the attach. ``interface_v1`` makes SGLang call the zero-copy methods
 (``batch_get_v1``/``batch_set_v1``): pages move between SGLang's host pool and
 lmkv's tiers without the flat-page copy of the generic path. Sidecar pools
 (Mamba state, sliding-window KV) go through the v2 methods.
@@ -19,16 +19,20 @@ SGLang's page hashes (already chained over the prefix and its namespace seed)
 become lmkv chain hashes under the model's :class:`~lmkv.keys.KeySpace`; each
 pool's descriptor (:mod:`lmkv.connectors.sglang_pools`) then binds them to its
 bytes and shard. Nothing here raises into SGLang's I/O threads: a failed page
-is ``False`` (SGLang recomputes from there), a failed query is a miss.
+is ``False`` (SGLang recomputes from there), a failed query is a miss, and so is
+every call after :meth:`LMKVHiCacheStorage.close`. Pages a ``batch_set`` acknowledged
+reach the lower tiers even if the process exits without ``close()``
+(:func:`lmkv.engine.stores.close_at_exit`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -44,13 +48,49 @@ from lmkv.config import load_config
 from lmkv.engine.stores import acquire_store, release_store
 from lmkv.errors import LMKVError, TierFullError
 from lmkv.keys import KeySpace, PageKey, page_key
+from lmkv.store import TieredStore
 
 from .sglang_pools import PoolPages, describe_pool
 
 log = logging.getLogger(__name__)
 
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+#: keys of the backend's extra config that SGLang consumes itself (its dynamic-backend factory,
+#: its cache controller and host allocator, sglang 0.5.23); every other key is lmkv's
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator", "tp_lcm_size",
+               "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+               "hicache_storage_pass_prefix_keys")
 KV = "kv"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _never_raises(fallback: Callable[..., Any]) -> Callable[[F], F]:
+    """SGLang calls a backend from its I/O threads, where an exception is a dead thread or a
+    crashed engine: anything unexpected (or a call after ``close()``) is logged and answered
+    with ``fallback(*args)``, a miss or ``False``, and SGLang recomputes."""
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            if self.store is None:
+                if not self._warned_closed:
+                    self._warned_closed = True
+                    log.warning("lmkv: SGLang called %s after close(); answering misses", fn.__name__)
+                return fallback(*args, **kwargs)
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception:
+                log.exception("lmkv: %s failed; answering a miss (SGLang recomputes)", fn.__name__)
+                return fallback(*args, **kwargs)
+        return call  # type: ignore[return-value]
+    return wrap
+
+
+def _no_pages(keys, *args, **kwargs) -> list[bool]:
+    return [False] * len(keys)
+
+
+def _no_pool_pages(transfers, *args, **kwargs) -> dict:
+    return {t.name: [False] * len(t.keys or []) for t in transfers}
 
 
 def _pool_name(name) -> str:
@@ -77,10 +117,18 @@ class LMKVHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.space = KeySpace(_model_id(self.cfg.model_id, storage_config), self.cfg.namespace)
         self._scope = f"sglang:{os.getpid()}:{id(self)}"
-        self.store = acquire_store(self._scope, self.cfg)
+        self.store: TieredStore | None = acquire_store(self._scope, self.cfg)
+        self._warned_closed = False
         self._host_pools: dict[str, Any] = {}  # SGLang's host pools, by pool name
         self._pages: dict[str, PoolPages] = {}
         self._lock = threading.Lock()
+
+    @property
+    def _live(self) -> TieredStore:
+        """The store, while the backend is open (every public method checks first)."""
+        if self.store is None:
+            raise LMKVError("the backend is closed")
+        return self.store
 
     # -- registration --------------------------------------------------------
 
@@ -124,13 +172,15 @@ class LMKVHiCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
+    @_never_raises(lambda *a, **k: 0)
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:
-            return self.store.lookup(self.keys_for(KV, keys)).pages
+            return self._live.lookup(self.keys_for(KV, keys)).pages
         except (LMKVError, OSError, KeyError) as err:
             log.warning("lmkv: existence query failed, answering a miss: %s", err)
             return 0
 
+    @_never_raises(lambda *a, **k: PoolTransferResult(0, {}, []))
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
         """KV: the longest stored prefix. A sidecar restricts the restorable prefix lengths:
@@ -144,7 +194,7 @@ class LMKVHiCacheStorage(HiCacheStorage):
                 break
             name = _pool_name(transfer.name)
             try:
-                have = self.store.contains(self.keys_for(name, keys[:kv_pages]))
+                have = self._live.contains(self.keys_for(name, keys[:kv_pages]))
             except (LMKVError, OSError, KeyError) as err:
                 log.warning("lmkv: %s existence query failed, answering a miss: %s", name, err)
                 have = [False] * kv_pages
@@ -162,19 +212,23 @@ class LMKVHiCacheStorage(HiCacheStorage):
 
     # -- zero-copy transfers ---------------------------------------------------
 
+    @_never_raises(_no_pages)
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         return self._load(KV, keys, host_indices)
 
+    @_never_raises(_no_pages)
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         return self._save(KV, keys, host_indices)
 
+    @_never_raises(_no_pool_pages)
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         return {t.name: self._load(_pool_name(t.name), t.keys or [], t.host_indices)
                 for t in transfers}
 
+    @_never_raises(_no_pool_pages)
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         return {t.name: self._save(_pool_name(t.name), t.keys or [], t.host_indices)
@@ -200,6 +254,10 @@ class LMKVHiCacheStorage(HiCacheStorage):
                       None if host_indices is None else host_indices.numel(), pages.slots_per_page)
             return None
         host = [pages.page_of(int(i)) for i in host_indices[:: pages.slots_per_page].tolist()]
+        bad = [p for p in host if not 0 <= p < pages.num_pages]
+        if bad:  # (a negative index would wrap around to another page, silently)
+            log.error("lmkv: pool %s: host pages %s outside its %d pages", name, bad[:4], pages.num_pages)
+            return None
         return lambda i: pages.segments(pages.page_slice(host[i]))
 
     def _read(self, name: str, keys: Sequence[str], parts_of: Callable[[int], list[torch.Tensor]]) -> list[bool]:
@@ -207,7 +265,7 @@ class LMKVHiCacheStorage(HiCacheStorage):
         per key, whether it landed (checksums verified on the way)."""
         try:
             pages = self.pool(name)
-            with self.store.fetch(self.keys_for(name, keys), pages.layout) as got:
+            with self._live.fetch(self.keys_for(name, keys), pages.layout) as got:
                 done = []
                 for i, (view, header) in enumerate(zip(got.views, got.headers)):
                     ok = header is not None and view is not None
@@ -226,10 +284,10 @@ class LMKVHiCacheStorage(HiCacheStorage):
             if not pages.layout.is_writer:
                 return [True] * len(keys)  # another rank of the replica set writes these bytes
             lkeys = self.keys_for(name, keys)
-            have = self.store.contains(lkeys)
+            have = self._live.contains(lkeys)
             todo = [i for i, h in enumerate(have) if not h]
             if todo:
-                with self.store.open_session([lkeys[i] for i in todo], [pages.layout] * len(todo)) as session:
+                with self._live.open_session([lkeys[i] for i in todo], [pages.layout] * len(todo)) as session:
                     for j, i in enumerate(todo):
                         pages.gather(parts_of(i), session.buffer(j))
                     for i, ok in zip(todo, session.commit()):
@@ -250,6 +308,7 @@ class LMKVHiCacheStorage(HiCacheStorage):
     def get(self, key: str, target_location=None, target_sizes=None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
+    @_never_raises(lambda keys, *a, **k: [None] * len(keys))
     def batch_get(self, keys: list[str], target_locations=None, target_sizes=None) -> list[torch.Tensor | None]:
         done = self._read(KV, keys, lambda i: self._flat_parts(target_locations[i]))
         return [t if ok else None for t, ok in zip(target_locations, done)]
@@ -257,16 +316,18 @@ class LMKVHiCacheStorage(HiCacheStorage):
     def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set([key], [value])
 
+    @_never_raises(lambda *a, **k: False)
     def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None) -> bool:
         return all(self._write(KV, keys, lambda i: self._flat_parts(values[i])))
 
     # -- lifecycle ---------------------------------------------------------------
 
+    @_never_raises(lambda *a, **k: None)
     def clear(self) -> None:
         """``POST /hicache/storage-backend/clear``: drop this engine's residency (other owners keep theirs)."""
-        self.store.clear()
+        self._live.clear()
 
     def close(self) -> None:
         if self.store is not None:
-            self.store = None  # type: ignore[assignment]
+            self.store = None
             release_store(self._scope)

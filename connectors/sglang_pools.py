@@ -43,6 +43,7 @@ class PoolPages:
     slots_per_page: int  # host indices one key covers (the pool's page_size; 1 for Mamba)
     page_slice: Callable[[int], Any]  # page number -> the pool's buffers for that page (a tensor or a tuple)
     segments: Callable[[Any], list[torch.Tensor]]  # page slice -> per segment, (layers, ...) views
+    num_pages: int  # pages the pool's buffers hold: a page number outside [0, num_pages) is refused
 
     def page_of(self, host_index: int) -> int:
         return host_index // self.slots_per_page
@@ -83,9 +84,9 @@ def _segments_of(name_parts: Sequence[tuple[str, torch.Tensor]]) -> tuple[Segmen
 
 
 def _token_pool_slices(buffer: torch.Tensor, layout: str, page_size: int, lead: int) -> tuple[
-        Callable[[int], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        Callable[[int], torch.Tensor], Callable[[torch.Tensor], torch.Tensor], int]:
     """For a token pool's buffer with ``lead`` leading axes (2 for MHA's K/V, 0 for MLA):
-    page slice, and slice -> (layers, tokens, ...) view."""
+    page slice, slice -> (layers, tokens, ...) view, and the pages the buffer holds."""
     if layout not in LAYOUTS:
         raise NotImplementedError(
             f"lmkv reads SGLang host pools laid out as {', '.join(LAYOUTS)}; this one is {layout!r} "
@@ -93,12 +94,12 @@ def _token_pool_slices(buffer: torch.Tensor, layout: str, page_size: int, lead: 
     pre = (slice(None),) * lead
     if layout == "layer_first":  # (..., L, size, ...)
         return (lambda p: buffer[pre + (slice(None), slice(p * page_size, (p + 1) * page_size))],
-                lambda s: s)
+                lambda s: s, buffer.shape[lead + 1] // page_size)
     if layout == "page_first":  # (..., size, L, ...): a layer is strided inside the page
         return (lambda p: buffer[pre + (slice(p * page_size, (p + 1) * page_size),)],
-                lambda s: s.transpose(0, 1))
+                lambda s: s.transpose(0, 1), buffer.shape[lead] // page_size)
     return (lambda p: buffer[pre + (slice(p, p + 1),)],  # (..., page_num, L, P, ...)
-            lambda s: s[0])
+            lambda s: s[0], buffer.shape[lead])
 
 
 def describe_pool(
@@ -137,14 +138,16 @@ def describe_pool(
             name=name, kind=StateKind.MAMBA, num_layers=host_pool.num_mamba_layers,
             segments=_segments_of(list(zip([n for n, _ in live], probe))), tokens_per_page=tokens_per_page,
             dtype=_dtype_name([b.dtype for _, b in live]), **common)
-        return PoolPages(name, layout, 1, state_slice, segments)
+        return PoolPages(name, layout, 1, state_slice, segments, live[0][1].shape[0])
 
     page_size = host_pool.page_size
     if page_size != tokens_per_page:
         raise NotImplementedError(f"pool {name!r}: page size {page_size} differs from the KV pool's {tokens_per_page}")
     if hasattr(host_pool, "kv_cache_dim"):  # MLATokenToKVPoolHost: one latent per token
-        page_slice, per_layer = _token_pool_slices(host_pool.kv_buffer, host_pool.layout, page_size, 0)
+        page_slice, per_layer, stored_pages = _token_pool_slices(host_pool.kv_buffer, host_pool.layout, page_size, 0)
         storage_index = getattr(host_pool, "_storage_page_index", None)  # decode-context-parallel translation
+        # (a translated pool is addressed by the logical pages of its size, which its index maps)
+        num_pages = host_pool.size // page_size if storage_index else stored_pages
 
         def mla_slice(p: int):
             return page_slice(storage_index(p * page_size) // page_size if storage_index else p)
@@ -156,11 +159,11 @@ def describe_pool(
             name=name, kind=StateKind.MLA, num_layers=host_pool.layer_num,
             segments=_segments_of([("latent", per_layer(mla_slice(0)))]), tokens_per_page=page_size,
             dtype=_dtype_name([host_pool.dtype]), **common)
-        return PoolPages(name, layout, page_size, mla_slice, mla_segments)
+        return PoolPages(name, layout, page_size, mla_slice, mla_segments, num_pages)
     if hasattr(host_pool, "k_buffer") and hasattr(host_pool, "head_num"):  # MHATokenToKVPoolHost
         if host_pool.v_head_dim != host_pool.head_dim:
             raise NotImplementedError(f"pool {name!r}: K and V head sizes differ")
-        page_slice, per_layer = _token_pool_slices(host_pool.kv_buffer, host_pool.layout, page_size, 1)
+        page_slice, per_layer, num_pages = _token_pool_slices(host_pool.kv_buffer, host_pool.layout, page_size, 1)
 
         def mha_segments(s) -> list[torch.Tensor]:
             return [per_layer(s[0]), per_layer(s[1])]
@@ -171,5 +174,5 @@ def describe_pool(
             num_layers=host_pool.layer_num, segments=_segments_of(list(zip("kv", mha_segments(page_slice(0))))),
             # no sliding_window: SGLang picks the window's pages itself (trailing pages)
             tokens_per_page=page_size, dtype=_dtype_name([host_pool.dtype]), **common)
-        return PoolPages(name, layout, page_size, page_slice, mha_segments)
+        return PoolPages(name, layout, page_size, page_slice, mha_segments, num_pages)
     raise NotImplementedError(f"lmkv does not move SGLang host pool {kind_name} ({name!r}) yet")

@@ -356,3 +356,87 @@ def test_the_launch_examples_backend_config_works(tmp_path):
     assert type(inner(b)).__name__ == "LMKVHiCacheStorage"
     assert b.batch_set_v1(page_hashes(1), torch.arange(P)) == [True]
     b.close()
+
+
+# -- robustness: nothing raises into SGLang (issue 20) ------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_host_indices_outside_the_pool_are_refused_not_raised_or_wrapped(tmp_path, layout):
+    """Indices past the pool's end raised IndexError into SGLang's I/O threads; negative ones would
+    have wrapped around to other pages. Both are a per-page False now, and no page is touched."""
+    host = mha_host(layout)
+    fill_random(host, seed=4)
+    before = snapshot(host)
+    b = attach(backend(tmp_path), kv=host)
+    pages = inner(b).pool("kv").num_pages
+    keys = page_hashes(2)
+    for idx in (torch.arange(pages * P, (pages + 2) * P), torch.arange(-2 * P, 0), torch.arange(10**6, 10**6 + 2 * P)):
+        assert b.batch_set_v1(keys, idx) == [False, False]
+        assert b.batch_get_v1(keys, idx) == [False, False]
+        assert b.batch_get_v2([PoolTransfer(name=PoolName.KV, keys=keys, host_indices=idx)]) == \
+            {PoolName.KV: [False, False]}
+    assert b.batch_exists(keys) == 0
+    assert all(torch.equal(a, c) for a, c in zip(before, snapshot(host)))
+    b.close()
+
+
+def test_calls_after_close_are_misses(tmp_path):
+    host = mha_host("page_first_direct")
+    b = attach(backend(tmp_path), kv=host)
+    keys = page_hashes(2)
+    assert b.batch_set_v1(keys, torch.arange(0, 2 * P)) == [True, True]
+    b.close()
+    assert b.batch_exists(keys) == 0 and not b.exists(keys[0])
+    assert b.batch_get_v1(keys, torch.arange(0, 2 * P)) == [False, False]
+    assert b.batch_set_v1(keys, torch.arange(0, 2 * P)) == [False, False]
+    assert b.batch_exists_v2(keys).kv_hit_pages == 0
+    assert b.batch_get_v2([PoolTransfer(name=PoolName.KV, keys=keys, host_indices=torch.arange(0, 2 * P))]) == \
+        {PoolName.KV: [False, False]}
+    b.clear()
+    b.close()
+
+
+def test_sglangs_own_extra_config_keys_are_accepted_and_lmkvs_still_checked(tmp_path):
+    from lmkv.config import ConfigError
+
+    own = {"allocator": "shm", "prefetch_threshold": 128, "hicache_storage_pass_prefix_keys": True,
+           "tp_lcm_size": 2}
+    b = backend(tmp_path, **own)
+    b.close()
+    with pytest.raises(ConfigError, match="allocatr: unknown setting"):
+        backend(tmp_path, allocatr="shm")
+
+
+EXIT_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_sglang_backend import attach, backend, mha_host, page_hashes, P
+from pathlib import Path
+host = mha_host("page_first_direct")
+from sglang_pools import fill_random
+fill_random(host, seed=1)
+b = attach(backend(Path({tmp!r})), kv=host)
+print(b.batch_set_v1(page_hashes(8), torch.arange(0, 8 * P)).count(True), flush=True)
+# exits here without close(): the copies down to disk are still on their way
+"""
+
+
+def test_acknowledged_pages_reach_disk_when_the_process_exits_without_close(tmp_path):
+    """Pages ``batch_set_v1`` acknowledged were lost (0-8 of 8) when the process exited without
+    ``close()``: the write-through copies failed as Python shut its thread pools down. They are
+    flushed at exit now; three runs, every page on disk each time."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    for run in range(3):
+        where = tmp_path / f"run{run}"
+        where.mkdir()
+        out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT.format(tests=tests, tmp=str(where))],
+                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] == "8"
+        assert len(list((where / "disk").rglob("*.page"))) == 8, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr

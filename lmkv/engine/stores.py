@@ -8,13 +8,54 @@ keyed by the engine's id. The last holder to release it closes it.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 
 from lmkv.config import LMKVConfig
 from lmkv.store import TieredStore
 
+log = logging.getLogger(__name__)
+
 _lock = threading.Lock()
 _stores: dict[str, tuple[TieredStore, int]] = {}
+_hooked = False
+
+
+def close_at_exit() -> None:
+    """Close every store still open when the process exits: the copies down to lower tiers that
+    an engine was told are done (SGLang's ``batch_set_v1`` acknowledged them) are finished and
+    flushed, not lost; copies that fail are logged. Runs before Python shuts its thread pools
+    down (after that, a copy still queued could not run, and its failure went unseen)."""
+    with _lock:
+        stores = [s for s, _ in _stores.values()]
+        _stores.clear()
+    for store in stores:
+        try:
+            store.close()
+        except Exception:
+            log.exception("lmkv: closing a store at exit failed")
+            continue
+        if store.writes.failed:
+            log.warning("lmkv: %d page copies to lower tiers failed (%d dropped) before exit",
+                        store.writes.failed, store.writes.dropped)
+
+
+def _hook_exit() -> None:
+    """Register :func:`close_at_exit` once, where it runs before the thread pools stop: Python runs
+    threading's exit callbacks last-registered first, and ``concurrent.futures`` registered its
+    own at import (``threading._register_atexit`` is that mechanism; ``atexit`` runs too late)."""
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(close_at_exit)
+    except RuntimeError:  # (interpreter already shutting down, or another Python)
+        atexit.register(close_at_exit)
 
 
 def acquire_store(scope: str, cfg: LMKVConfig) -> TieredStore:
@@ -23,6 +64,7 @@ def acquire_store(scope: str, cfg: LMKVConfig) -> TieredStore:
         if entry is None:
             store = TieredStore(cfg)
             _stores[scope] = (store, 1)
+            _hook_exit()
             return store
         store, refs = entry
         _stores[scope] = (store, refs + 1)
