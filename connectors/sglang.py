@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -43,6 +44,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from lmkv.config import load_config
 from lmkv.engine.stores import acquire_store, release_store
@@ -122,6 +124,7 @@ class LMKVHiCacheStorage(HiCacheStorage):
         self._host_pools: dict[str, Any] = {}  # SGLang's host pools, by pool name
         self._pages: dict[str, PoolPages] = {}
         self._lock = threading.Lock()
+        self._metrics = StorageMetrics() if storage_config.enable_storage_metrics else None
 
     @property
     def _live(self) -> TieredStore:
@@ -265,6 +268,7 @@ class LMKVHiCacheStorage(HiCacheStorage):
         per key, whether it landed (checksums verified on the way)."""
         try:
             pages = self.pool(name)
+            t0 = time.perf_counter()
             with self._live.fetch(self.keys_for(name, keys), pages.layout) as got:
                 done = []
                 for i, (view, header) in enumerate(zip(got.views, got.headers)):
@@ -272,7 +276,8 @@ class LMKVHiCacheStorage(HiCacheStorage):
                     if ok:
                         pages.scatter(view, parts_of(i))
                     done.append(ok)
-                return done
+            self._measured("prefetch", sum(done), pages.layout.payload_bytes, time.perf_counter() - t0)
+            return done
         except (LMKVError, OSError, KeyError, NotImplementedError) as err:
             log.warning("lmkv: load of %d %s pages failed; SGLang recomputes them: %s", len(keys), name, err)
             return [False] * len(keys)
@@ -284,6 +289,7 @@ class LMKVHiCacheStorage(HiCacheStorage):
             if not pages.layout.is_writer:
                 return [True] * len(keys)  # another rank of the replica set writes these bytes
             lkeys = self.keys_for(name, keys)
+            t0 = time.perf_counter()
             have = self._live.contains(lkeys)
             todo = [i for i, h in enumerate(have) if not h]
             if todo:
@@ -292,12 +298,33 @@ class LMKVHiCacheStorage(HiCacheStorage):
                         pages.gather(parts_of(i), session.buffer(j))
                     for i, ok in zip(todo, session.commit()):
                         have[i] = ok
+                self._measured("backup", sum(have[i] for i in todo), pages.layout.payload_bytes,
+                               time.perf_counter() - t0)
             return list(have)
         except TierFullError as err:
             log.warning("lmkv: no room for %d %s pages: %s", len(keys), name, err)
         except (LMKVError, OSError, KeyError, NotImplementedError) as err:
             log.warning("lmkv: store of %d %s pages failed: %s", len(keys), name, err)
         return [False] * len(keys)
+
+    # -- SGLang's storage metrics -------------------------------------------------
+
+    def _measured(self, op: str, pages: int, page_bytes: int, seconds: float) -> None:
+        """One transfer for SGLang's storage histograms (pages per operation, GB/s), when enabled."""
+        if self._metrics is None or not pages:
+            return
+        with self._lock:
+            getattr(self._metrics, f"{op}_pgs").append(pages)
+            getattr(self._metrics, f"{op}_bandwidth").append(pages * page_bytes / max(seconds, 1e-9) / 1e9)
+
+    def get_stats(self) -> StorageMetrics | None:
+        """What SGLang's ``--enable-storage-metrics`` exports (``sglang:*prefetch*``/``*backup*``
+        histograms): the transfers since the last call, as SGLang's own backends report them."""
+        if self._metrics is None:
+            return None
+        with self._lock:
+            out, self._metrics = self._metrics, StorageMetrics()
+        return out
 
     # -- the generic (flat page) path, used when interface_v1 is off -------------
 

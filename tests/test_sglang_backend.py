@@ -29,11 +29,11 @@ LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 P = 4  # tokens per page
 
 
-def backend(tmp_path, *, tp_size=1, tp_rank=0, mla=False, memory="64MiB", disk=True, **extra):
+def backend(tmp_path, *, tp_size=1, tp_rank=0, mla=False, memory="64MiB", disk=True, metrics=False, **extra):
     """An lmkv backend made by SGLang's factory; ``extra``: more lmkv settings."""
     cfg = HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=False, model_name="org/tiny",
+        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=False, model_name="org/tiny",
         extra_config={"backend_name": "lmkv", "module_path": "lmkv.connectors.sglang",
                       "class_name": "LMKVHiCacheStorage", "interface_v1": 1,
                       **({"memory": {"capacity": memory}} if memory else {}),
@@ -440,3 +440,26 @@ def test_acknowledged_pages_reach_disk_when_the_process_exits_without_close(tmp_
         assert out.stdout.split()[-1] == "8"
         assert len(list((where / "disk").rglob("*.page"))) == 8, out.stderr[-2000:]
         assert "Traceback" not in out.stderr
+
+
+def test_storage_metrics_for_sglangs_collector(tmp_path):
+    """``--enable-storage-metrics``: SGLang's collector reads get_stats() after each drain and logs
+    pages per operation and GB/s into its histograms; each call reports what came since the last."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics, StorageMetricsCollector
+
+    host = mha_host("page_first_direct")
+    fill_random(host, seed=2)
+    b = attach(backend(tmp_path, metrics=True), kv=host)
+    keys = page_hashes(5)
+    assert b.batch_set_v1(keys, torch.arange(0, 5 * P)) == [True] * 5
+    assert b.batch_set_v1(keys, torch.arange(0, 5 * P)) == [True] * 5  # held already: nothing moves
+    assert b.batch_get_v1(keys[:3], torch.arange(5 * P, 8 * P)) == [True] * 3
+    stats = b.get_stats()
+    assert isinstance(stats, StorageMetrics)
+    assert stats.backup_pgs == [5] and stats.prefetch_pgs == [3]
+    assert all(bw > 0 for bw in stats.backup_bandwidth + stats.prefetch_bandwidth)
+    StorageMetricsCollector(labels={"model_name": "t"}).log_storage_metrics(stats)  # SGLang's own consumer
+    again = b.get_stats()
+    assert again.backup_pgs == [] and again.prefetch_pgs == []
+    b.close()
+    assert attach(backend(tmp_path / "off"), kv=mha_host("page_first_direct")).get_stats() is None
