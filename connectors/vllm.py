@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from lmkv.config import load_config
 from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
@@ -40,6 +40,7 @@ from lmkv.engine.sequence import Span
 from lmkv.engine.stores import acquire_store, find_store, live_stores, release_store
 from lmkv.engine.worker import LayerwiseTransfer
 from lmkv.keys import ChainHash, EngineBlockKey
+from lmkv.metrics import TierDeltas
 from lmkv.store import TieredStore
 from lmkv.tiers.factory import open_views
 from lmkv.tiers.remote import RemoteTier
@@ -152,6 +153,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.tokens_per_page = sizes.pop() if sizes else vllm_config.cache_config.block_size
         self._scope = f"{self._kv_transfer_config.engine_id}/pp{pp_rank}/tp{tp_rank}"
         self._requests: dict[str, Request] = {}
+        self._tier_deltas = TierDeltas()  # (the worker's store, for vLLM's connector stats)
         self.scheduler: OffloadScheduler | None = None
         self.worker: LayerwiseTransfer | None = None
         self.mirror: ResidencyMirror | None = None
@@ -365,7 +367,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         """The worker's transfer counts; on the scheduler side, its own counts as ``scheduler.*``
         (vLLM merges both into its KV connector stats)."""
         if self.worker is not None:
-            data = self.worker.stats.take()
+            data = {**self.worker.stats.take(), **self._tier_deltas.take(self.worker.store.tiers)}
         elif self.scheduler is not None:
             data = {f"scheduler.{k}": v for k, v in self.scheduler.take_stats().items()}
         else:
@@ -376,6 +378,14 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return LMKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        """lmkv's counters in vLLM's ``/metrics`` (:mod:`lmkv.connectors.vllm_metrics`)."""
+        from .vllm_metrics import LMKVPromMetrics
+
+        return LMKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -33,6 +33,26 @@ _COUNTERS = {
 }
 
 
+#: per tier, the counters an engine's own stats path reports (besides the bytes)
+TIER_COUNTERS = tuple(_COUNTERS)
+
+
+class TierDeltas:
+    """What each tier counted since the last :meth:`take` (``tier.<name>.<counter>``, bytes as
+    ``put_bytes``/``get_bytes``): how a worker inside an engine reports its store through the
+    engine's own stats (vLLM's KV-connector stats), which sums them across workers."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def take(self, tiers: Sequence[Tier]) -> dict[str, int]:
+        now = {f"tier.{t.name}.{f}": int(getattr(t.stats, f))
+               for t in tiers for f in (*TIER_COUNTERS, "put_bytes", "get_bytes")}
+        out = {k: v - self._last.get(k, 0) for k, v in now.items()}
+        self._last = now
+        return {k: v for k, v in out.items() if v}
+
+
 class _TierCollector(Collector):
     def __init__(self, tiers: Callable[[], Sequence[Tier]]) -> None:
         self._tiers = tiers

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_engine import BLOCK, engine, generate, lmkv_stats, prompt, run  # noqa: E402
+from vllm_engine import BLOCK, engine, generate, lmkv_stats, prompt, run, scraped  # noqa: E402
 
 from lmkv.dev.tinymodels import make_llama  # noqa: E402
 
@@ -132,11 +132,17 @@ def test_fresh_engine_over_the_same_disk_tier(model, tmp_path):
     p = prompt(300, seed=9)
     with engine(model, lmkv=cfg) as first:
         expected = generate(first, [p])
-    with engine(model, lmkv=cfg) as second:  # a new process-level store: only the disk remembers
+    with engine(model, lmkv=cfg, log_stats=True) as second:  # a new process-level store: only the disk remembers
         assert generate(second, [p]) == expected
         stats = lmkv_stats(second)
         assert stats["transfers"]["loaded_pages"] == 9
         assert stats["tiers"]["disk"]["hits"] == 9
+        # the same in vLLM's own /metrics, through the connector's Prometheus hook
+        assert scraped("vllm:lmkv_loaded_pages_total") == 9
+        assert scraped("vllm:lmkv_tier_hits_total", tier="disk") == 9
+        assert scraped("vllm:lmkv_tier_bytes_total", tier="disk", direction="get") > 0
+        assert scraped("vllm:lmkv_scheduler_loaded_tokens_total") == 9 * BLOCK
+        assert scraped("vllm:lmkv_recomputed_tokens_total") == 0
 
 
 @pytest.mark.parametrize("multiprocess", [False, True])

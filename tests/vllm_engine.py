@@ -15,10 +15,11 @@ BLOCK = 32
 
 def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefix_caching: bool = True,
              kv_bytes: int = 64 << 20, batched_tokens: int = 128, max_seqs: int = 8, max_len: int = 2048,
-             by_name: bool = False):
+             by_name: bool = False, log_stats: bool = False):
     """An engine; ``lmkv=None`` runs without a connector. Chunked prefill is on (prompts > batched_tokens).
 
-    ``by_name`` names the connector only, relying on lmkv's vLLM plugin to register it."""
+    ``by_name`` names the connector only, relying on lmkv's vLLM plugin to register it; ``log_stats``:
+    vLLM's stat loggers run (its Prometheus metrics, lmkv's among them, in this process's registry)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -33,7 +34,8 @@ def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefi
     return LLM(
         model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len, block_size=BLOCK,
         dtype="bfloat16", max_num_batched_tokens=batched_tokens, max_num_seqs=max_seqs,
-        kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=prefix_caching, seed=0, **kw,
+        kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=prefix_caching, seed=0,
+        disable_log_stats=not log_stats, **kw,
     )
 
 
@@ -72,3 +74,12 @@ def lmkv_stats(llm) -> dict:
 
 def prompt(n: int, seed: int) -> list[int]:
     return [(i * 37 + seed * 101) % 1000 + 3 for i in range(n)]
+
+
+def scraped(name: str, **labels: str) -> float:
+    """A metric as vLLM's ``/metrics`` would show it (this process's Prometheus registry), summed
+    over the series whose labels include ``labels``."""
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() for s in m.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

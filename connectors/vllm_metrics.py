@@ -1,0 +1,88 @@
+"""lmkv's counters in vLLM's ``/metrics``, through the KV-connector Prometheus hook.
+
+vLLM (0.32/0.33) sums each step's connector stats across workers and hands them to
+the connector's ``KVConnectorPromMetrics`` in the process that serves ``/metrics``.
+lmkv's stats are flat counts (:class:`~connectors.vllm.LMKVConnectorStats`): the
+workers' transfers (``loaded_pages``, ``recomputed_tokens``, ...), their store's
+tiers (``tier.<name>.<counter>``) and the scheduler's ``scheduler.*`` (lookups,
+planned loads and stores, lazy offload's decisions as ``scheduler.lazy.*``). Each
+becomes a ``vllm:lmkv_*_total`` counter with vLLM's engine labels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+from lmkv.engine.scheduler import SchedulerStats
+from lmkv.engine.worker import TransferCounts
+from lmkv.metrics import TIER_COUNTERS
+
+TRANSFER_DOCS = {
+    "loaded_pages": "pages loaded into the engine's KV cache",
+    "loaded_bytes": "bytes loaded into the engine's KV cache",
+    "failed_pages": "pages whose load failed (their tokens are recomputed)",
+    "recomputed_tokens": "tokens lmkv offered that the engine computed because a load failed",
+    "stored_pages": "pages copied out of the engine's KV cache",
+    "stored_bytes": "bytes copied out of the engine's KV cache",
+    "rescued_pages": "lazy offload: blocks copied in the step that handed them out, before its forward",
+    "dropped_pages": "stores skipped because lmkv's memory had no room",
+}
+SCHEDULER_DOCS = {
+    "lookups": "lookups of waiting requests (a waiting request is looked up each step it waits)",
+    "loaded_tokens": "tokens planned for loading (hits the engine took)",
+    "stored_pages": "pages planned for storing",
+    "skipped_resident": "pages not stored because a tier held them already",
+}
+
+
+class LMKVPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        assert set(TRANSFER_DOCS) == set(vars(TransferCounts())) and set(SCHEDULER_DOCS) == set(vars(SchedulerStats()))
+
+        def counter(name: str, doc: str, *labels: str):
+            return self._counter_cls(name=f"vllm:lmkv_{name}_total", documentation=f"lmkv: {doc}",
+                                     labelnames=self._labelnames + list(labels))
+
+        # stats key -> (counter, its own label values)
+        self._counters: dict[str, tuple[Any, tuple[str, ...]]] = {
+            k: (counter(k, doc), ()) for k, doc in TRANSFER_DOCS.items()}
+        self._counters.update({f"scheduler.{k}": (counter(f"scheduler_{k}", doc), ())
+                               for k, doc in SCHEDULER_DOCS.items()})
+        self._lazy = counter("lazy_offload_decisions", "lazy offload's decisions, by kind (planned, rescued, "
+                             "unlikely: not copied, ...)", "decision")
+        self._tier = {f: counter(f"tier_{f}", f"{f} per tier", "tier") for f in TIER_COUNTERS}
+        self._bytes = counter("tier_bytes", "payload bytes moved per tier and direction", "tier", "direction")
+        self._children: dict[tuple[int, str], Any] = {}
+
+    def _child(self, engine_idx: int, key: str, metric, labels: tuple[str, ...]):
+        child = self._children.get((engine_idx, key))
+        if child is None:
+            child = self._children[(engine_idx, key)] = metric.labels(
+                *self.per_engine_labelvalues[engine_idx], *labels)
+        return child
+
+    def _resolve(self, key: str) -> tuple[Any, tuple[str, ...]] | None:
+        """The counter and label values a stats key counts into (None: a key this build does not know)."""
+        if key in self._counters:
+            return self._counters[key]
+        if key.startswith("scheduler.lazy."):
+            return self._lazy, (key.removeprefix("scheduler.lazy."),)
+        if key.startswith("tier."):
+            tier, _, field = key.removeprefix("tier.").rpartition(".")
+            if field in self._tier:
+                return self._tier[field], (tier,)
+            if field in ("put_bytes", "get_bytes"):
+                return self._bytes, (tier, field.removesuffix("_bytes"))
+        return None
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if not value:
+                continue
+            found = self._resolve(key)
+            if found is not None:
+                self._child(engine_idx, key, *found).inc(value)
