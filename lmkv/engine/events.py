@@ -12,8 +12,11 @@ or demoted) is reported stored there, with that tier's placement, and removed fr
 memory; a page no tier holds is removed. :meth:`EventLog.cleared` reports every page
 as removed (a scoped reset of lmkv's own residency).
 
-Held pages are remembered with their adapter info (bounded: pages lmkv holds in
-memory plus those reported below it, oldest below forgotten first).
+Held pages are remembered with their adapter info, bounded: past ``max_held`` the
+oldest is forgotten and reported removed (a router then never counts on it). Pages a
+lower tier drops by itself (its own eviction, a TTL) are not seen here; they are
+reported removed when lmkv's residency is reset, and until then a router that sends a
+request for them gets a miss that lmkv recomputes.
 """
 
 from __future__ import annotations
