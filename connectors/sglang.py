@@ -44,7 +44,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
-from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from lmkv.config import load_config
 from lmkv.engine.stores import acquire_store, release_store
@@ -124,7 +123,13 @@ class LMKVHiCacheStorage(HiCacheStorage):
         self._host_pools: dict[str, Any] = {}  # SGLang's host pools, by pool name
         self._pages: dict[str, PoolPages] = {}
         self._lock = threading.Lock()
-        self._metrics = StorageMetrics() if storage_config.enable_storage_metrics else None
+        self._metrics = None
+        if storage_config.enable_storage_metrics:
+            # (imported only when SGLang collects metrics: that module pulls in SGLang's model configs)
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+
+            self._metrics_cls = StorageMetrics
+            self._metrics = StorageMetrics()
 
     @property
     def _live(self) -> TieredStore:
@@ -317,13 +322,13 @@ class LMKVHiCacheStorage(HiCacheStorage):
             getattr(self._metrics, f"{op}_pgs").append(pages)
             getattr(self._metrics, f"{op}_bandwidth").append(pages * page_bytes / max(seconds, 1e-9) / 1e9)
 
-    def get_stats(self) -> StorageMetrics | None:
+    def get_stats(self):
         """What SGLang's ``--enable-storage-metrics`` exports (``sglang:*prefetch*``/``*backup*``
         histograms): the transfers since the last call, as SGLang's own backends report them."""
         if self._metrics is None:
             return None
         with self._lock:
-            out, self._metrics = self._metrics, StorageMetrics()
+            out, self._metrics = self._metrics, self._metrics_cls()
         return out
 
     # -- the generic (flat page) path, used when interface_v1 is off -------------

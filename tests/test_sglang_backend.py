@@ -462,4 +462,6 @@ def test_storage_metrics_for_sglangs_collector(tmp_path):
     again = b.get_stats()
     assert again.backup_pgs == [] and again.prefetch_pgs == []
     b.close()
-    assert attach(backend(tmp_path / "off"), kv=mha_host("page_first_direct")).get_stats() is None
+    off = attach(backend(tmp_path / "off"), kv=mha_host("page_first_direct"))
+    assert off.get_stats() is None
+    off.close()
