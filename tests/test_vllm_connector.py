@@ -296,6 +296,54 @@ def test_outputs_depend_on_the_restored_bytes(model):
         assert loaded(e) - before == 9
 
 
+def test_kv_events_reach_a_router_over_vllms_zmq_publisher(model, tmp_path):
+    """What a KV-aware router subscribed to vLLM's ZMQ events hears from lmkv: a prompt's pages
+    stored in lmkv's memory (CPU) once committed; when memory evicts them, removed there and stored
+    on the disk tier (STORAGE); a reset of lmkv's cache removes them everywhere."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    from lmkv.dev.redis_server import free_port
+
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+    def heard() -> list:
+        out = []
+        while sub.poll(timeout=2000):
+            _, _, payload = sub.recv_multipart()
+            out += [e for e in decoder.decode(payload).events
+                    if isinstance(e, (BlockStored, BlockRemoved)) and e.medium != "GPU"]
+        return out
+
+    cfg = {"memory": {"capacity": "2MiB", "slab_size": "1MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+    try:
+        with engine(model, lmkv=cfg, kv_events_endpoint=f"tcp://*:{port}") as e:
+            p = prompt(300, seed=31)  # 9 full pages
+            generate(e, [p])
+            events = heard()
+            stored = [ev for ev in events if isinstance(ev, BlockStored)]
+            assert [ev.medium for ev in stored] == ["CPU"] * 9 and stored[0].token_ids == p[:BLOCK]
+            first = {ev.block_hashes[0] for ev in stored}
+            page = lmkv_stats(e)["tiers"]["memory"]["used_bytes"] // 9
+            for seed in range(40, 40 + (2 << 20) // (9 * page) + 2):  # enough pages to push p's out of memory
+                generate(e, [prompt(300, seed=seed)])
+            events = heard()
+            assert {ev.block_hashes[0] for ev in events if isinstance(ev, BlockRemoved) and ev.medium == "CPU"} >= first
+            assert {ev.block_hashes[0] for ev in events if isinstance(ev, BlockStored)
+                    and (ev.medium, ev.locality) == ("STORAGE", "LOCAL")} >= first
+            assert e.reset_prefix_cache(reset_connector=True)
+            generate(e, [prompt(40, seed=99)])  # a step, so the scheduler publishes
+            gone = {ev.block_hashes[0] for ev in heard() if isinstance(ev, BlockRemoved) and ev.medium == "STORAGE"}
+            assert gone >= first
+    finally:
+        sub.close(0)
+
+
 def test_demo_runs(tmp_path):
     """The README's main job, small: it exits 0 only if the restarted engine's tokens match."""
     import os

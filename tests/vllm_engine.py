@@ -15,11 +15,12 @@ BLOCK = 32
 
 def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefix_caching: bool = True,
              kv_bytes: int = 64 << 20, batched_tokens: int = 128, max_seqs: int = 8, max_len: int = 2048,
-             by_name: bool = False, log_stats: bool = False):
+             by_name: bool = False, log_stats: bool = False, kv_events_endpoint: str | None = None):
     """An engine; ``lmkv=None`` runs without a connector. Chunked prefill is on (prompts > batched_tokens).
 
     ``by_name`` names the connector only, relying on lmkv's vLLM plugin to register it; ``log_stats``:
-    vLLM's stat loggers run (its Prometheus metrics, lmkv's among them, in this process's registry)."""
+    vLLM's stat loggers run (its Prometheus metrics, lmkv's among them, in this process's registry);
+    ``kv_events_endpoint``: vLLM publishes KV events there (its ZMQ publisher)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -31,6 +32,11 @@ def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefi
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=lmkv,
         )
         kw["worker_extension_cls"] = "lmkv.connectors.vllm.LMKVWorkerExtension"
+    if kv_events_endpoint is not None:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=kv_events_endpoint, topic="kv")
     return LLM(
         model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len, block_size=BLOCK,
         dtype="bfloat16", max_num_batched_tokens=batched_tokens, max_num_seqs=max_seqs,
