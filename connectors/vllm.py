@@ -168,6 +168,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._event_log = EventLog() if self._events is not None else None
         self._below: list = []  # the tiers under the workers' memory this side can ask (for events)
         self._block_info: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()  # hash -> (parent, tokens)
+        self._blocks_seen: dict[str, int] = {}  # request -> its blocks recorded in _block_info
         if role is KVConnectorRole.SCHEDULER:
             # Workers are built before the scheduler: if one lives in this process, share its store;
             # otherwise mirror the workers' memory from their step reports and see shared tiers directly.
@@ -272,7 +273,9 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         tpp = self.tokens_per_page
         for st in scheduled:
             hashes = st.block_hashes
-            for p in range(len(hashes)):
+            # only the blocks filled since this request was last seen (a long request's earlier
+            # blocks are not walked again every step)
+            for p in range(self._blocks_seen.get(st.req_id, 0), len(hashes)):
                 h = bytes(hashes[p])
                 if h not in self._block_info:
                     parent = bytes(hashes[p - 1]) if p else None
@@ -280,6 +283,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
                     self._block_info[h] = (parent, toks)
                     while len(self._block_info) > cap:
                         self._block_info.popitem(last=False)
+            self._blocks_seen[st.req_id] = len(hashes)
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         pool = self._kv_cache_manager.block_pool
@@ -352,6 +356,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         self._requests.pop(request.request_id, None)
+        self._blocks_seen.pop(request.request_id, None)
         return self.scheduler.finish(request.request_id, request.block_hashes), None
 
     # -- worker side -------------------------------------------------------------
