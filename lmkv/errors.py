@@ -31,5 +31,18 @@ class TierUnavailableError(LMKVError):
     """The backend cannot be reached now (down, timed out, restarting)."""
 
 
+class PartlyStoredError(TierUnavailableError):
+    """Some pages of a write reached the backend and some could not (a cluster node is down).
+
+    ``stored`` is the per-page outcome the caller would have had; ``unreachable`` the indices of
+    the pages that never reached a node (the ones to retry), as opposed to pages it refused.
+    """
+
+    def __init__(self, msg: str, stored: list[bool], unreachable: list[int]) -> None:
+        super().__init__(msg)
+        self.stored = stored
+        self.unreachable = unreachable
+
+
 class TierBusyError(LMKVError):
     """Every connection to the backend is in use: this call is a miss, the backend is not down."""

@@ -38,10 +38,11 @@ class HasContains(Protocol):
     def contains(self, keys: Sequence[PageKey]) -> list[bool]: ...
 
 
-def locate(keys: Sequence[PageKey], tiers: Sequence[HasContains]) -> list[str | None]:
+def locate(keys: Sequence[PageKey], tiers: Sequence[HasContains], strict: bool = False) -> list[str | None]:
     """Per key, the first tier that holds it; each tier is asked only about keys the ones above lacked.
 
-    A tier that cannot answer (down, timed out) holds nothing for now.
+    A tier that cannot answer (down, timed out) holds nothing for now; with ``strict`` its error
+    is raised instead (for a caller that must not take "cannot answer" for "does not hold").
     """
     where: list[str | None] = [None] * len(keys)
     for tier in tiers:
@@ -52,6 +53,8 @@ def locate(keys: Sequence[PageKey], tiers: Sequence[HasContains]) -> list[str | 
             present = tier.contains([keys[i] for i in todo])
         except (LMKVError, OSError) as err:
             tier_failed(tier, "lookup", err)
+            if strict:
+                raise
             continue
         for i, p in zip(todo, present):
             if p:

@@ -29,7 +29,7 @@ from typing import TypeVar
 import numpy as np
 
 from lmkv.config import LMKVConfig
-from lmkv.errors import LMKVError, TierFullError
+from lmkv.errors import LMKVError, PartlyStoredError, TierFullError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.lookup import Lookup, locate, prefix_lookup, tier_failed
@@ -274,17 +274,23 @@ class TieredStore:
         they are dropped)."""
         try:
             stored = tier.put(pages, domain)
+        except PartlyStoredError as err:  # a cluster node is down (its health logged it): only its pages failed
+            self._write_failed(tier, [pages[i][0].key for i in err.unreachable], domain, from_memory)
+            return err.stored
         except (LMKVError, OSError) as err:
             tier_failed(tier, "write", err)
-            self.writes.failed += len(pages)
-            if from_memory and self.cfg.store.failed_writes == "retry":
-                self._queue_retry(tier.name, [h.key for h, _ in pages], domain)
-            else:
-                self.writes.dropped += len(pages)
+            self._write_failed(tier, [h.key for h, _ in pages], domain, from_memory)
             return [False] * len(pages)
         if self._retry.get(tier.name):
             self._run_retries(tier)
         return stored
+
+    def _write_failed(self, tier: Tier, keys: list[PageKey], domain: str, from_memory: bool) -> None:
+        self.writes.failed += len(keys)
+        if from_memory and self.cfg.store.failed_writes == "retry":
+            self._queue_retry(tier.name, keys, domain)
+        else:
+            self.writes.dropped += len(keys)
 
     def _queue_retry(self, tier: str, keys: Sequence[PageKey], domain: str) -> None:
         cap = self.cfg.store.retry_pages
@@ -313,6 +319,10 @@ class TieredStore:
                     continue
                 try:
                     ok = tier.put(pages, domain)
+                except PartlyStoredError as err:
+                    self._queue_retry(tier.name, [pages[i][0].key for i in err.unreachable], domain)
+                    self.writes.retried += sum(err.stored)
+                    return
                 except (LMKVError, OSError) as err:
                     tier_failed(tier, "write", err)
                     self._queue_retry(tier.name, [h.key for h, _ in pages], domain)

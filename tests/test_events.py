@@ -49,3 +49,31 @@ def test_what_it_remembers_is_bounded_and_what_it_forgets_is_reported_removed():
     log.expect(_k(6), "p6")
     events = _seen(log.apply(ResidencyDelta(added=[_k(5), _k(6)]), lambda keys: ["disk"] * len(keys)))
     assert events[-1] == (False, "p3", MEMORY)  # three held, room for two: the oldest is let go, reported
+
+
+def test_pages_a_lower_tier_dropped_by_itself_are_found_and_reported_removed():
+    """Disk evicted a page, Redis expired another: no delta says so, the audit does."""
+    log = EventLog()
+    below = {_k(i): "disk" for i in range(5)}
+    for i in range(5):
+        log.expect(_k(i), f"p{i}")
+    log.apply(ResidencyDelta(added=[_k(i) for i in range(5)]), lambda keys: [None] * len(keys))
+    log.apply(ResidencyDelta(removed=[_k(i) for i in range(4)]), lambda keys: [below.get(k) for k in keys])
+    asked: list[list[bytes]] = []
+
+    def now(keys):
+        asked.append(list(keys))
+        return [below.get(k) for k in keys]
+
+    assert log.audit(now, limit=10) == [] and asked == [[_k(i) for i in range(4)]]  # p4 is in memory: not asked
+    del below[_k(1)]
+    below[_k(2)] = "redis"
+    asked.clear()
+    assert _seen(log.audit(now, limit=2)) == [(False, "p1", DISK)]  # two asked, the longest unchecked
+    assert asked == [[_k(0), _k(1)]]
+    assert _seen(log.audit(now, limit=2)) == [(False, "p2", DISK), (True, "p2", SERVER)]
+    assert asked[-1] == [_k(2), _k(3)]
+    assert log.audit(now, limit=2) == [] and asked[-1] == [_k(0), _k(2)]  # round and round
+    # a forgotten page is not asked about again; a reset reports what is left
+    assert sorted(_seen(log.cleared()), key=str) == sorted(
+        [(False, "p0", DISK), (False, "p2", SERVER), (False, "p3", DISK), (False, "p4", MEMORY)], key=str)

@@ -299,7 +299,11 @@ def test_outputs_depend_on_the_restored_bytes(model):
 def test_kv_events_reach_a_router_over_vllms_zmq_publisher(model, tmp_path):
     """What a KV-aware router subscribed to vLLM's ZMQ events hears from lmkv: a prompt's pages
     stored in lmkv's memory (CPU) once committed; when memory evicts them, removed there and stored
-    on the disk tier (STORAGE); a reset of lmkv's cache removes them everywhere."""
+    on the disk tier (STORAGE); when the disk tier evicts pages by itself (it is full), removed
+    there, so the router's view of the disk is what the disk holds; a reset of lmkv's cache
+    removes them everywhere."""
+    import time
+
     import msgspec
     import zmq
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -311,6 +315,8 @@ def test_kv_events_reach_a_router_over_vllms_zmq_publisher(model, tmp_path):
     sub.connect(f"tcp://127.0.0.1:{port}")
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    on_disk: set = set()  # the router's view of the disk tier
+    left_disk: set = set()
 
     def heard() -> list:
         out = []
@@ -318,9 +324,16 @@ def test_kv_events_reach_a_router_over_vllms_zmq_publisher(model, tmp_path):
             _, _, payload = sub.recv_multipart()
             out += [e for e in decoder.decode(payload).events
                     if isinstance(e, (BlockStored, BlockRemoved)) and e.medium != "GPU"]
+        for ev in out:
+            if (ev.medium, ev.locality) == ("STORAGE", "LOCAL"):
+                (on_disk.add if isinstance(ev, BlockStored) else on_disk.discard)(ev.block_hashes[0])
+                if isinstance(ev, BlockRemoved):
+                    left_disk.add(ev.block_hashes[0])
         return out
 
-    cfg = {"memory": {"capacity": "2MiB", "slab_size": "1MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+    # 64 KiB pages: memory holds about 30, the disk about 15; the disk takes what memory evicts
+    cfg = {"memory": {"capacity": "2MiB", "slab_size": "1MiB"}, "store": {"write_policy": "write_back"},
+           "disk": {"path": str(tmp_path / "disk"), "capacity": "1MiB"}}
     try:
         with engine(model, lmkv=cfg, kv_events_endpoint=f"tcp://*:{port}") as e:
             p = prompt(300, seed=31)  # 9 full pages
@@ -330,16 +343,24 @@ def test_kv_events_reach_a_router_over_vllms_zmq_publisher(model, tmp_path):
             assert [ev.medium for ev in stored] == ["CPU"] * 9 and stored[0].token_ids == p[:BLOCK]
             first = {ev.block_hashes[0] for ev in stored}
             page = lmkv_stats(e)["tiers"]["memory"]["used_bytes"] // 9
-            for seed in range(40, 40 + (2 << 20) // (9 * page) + 2):  # enough pages to push p's out of memory
+            events = []
+            for seed in range(40, 40 + (3 << 20) // (9 * page) + 2):  # past memory, and past the disk
                 generate(e, [prompt(300, seed=seed)])
-            events = heard()
+                events += heard()
             assert {ev.block_hashes[0] for ev in events if isinstance(ev, BlockRemoved) and ev.medium == "CPU"} >= first
             assert {ev.block_hashes[0] for ev in events if isinstance(ev, BlockStored)
                     and (ev.medium, ev.locality) == ("STORAGE", "LOCAL")} >= first
+            time.sleep(1.2)  # the connector asks lower tiers about their pages once a second
+            generate(e, [prompt(20, seed=98)])  # a step that stores nothing, so the scheduler publishes
+            heard()
+            disk = lmkv_stats(e)["tiers"]["disk"]
+            assert disk["evictions"] > 0
+            assert left_disk & first  # the first prompt's pages left the disk, and the router heard it
+            assert len(on_disk) == disk["pages"]
             assert e.reset_prefix_cache(reset_connector=True)
             generate(e, [prompt(40, seed=99)])  # a step, so the scheduler publishes
-            gone = {ev.block_hashes[0] for ev in heard() if isinstance(ev, BlockRemoved) and ev.medium == "STORAGE"}
-            assert gone >= first
+            heard()
+            assert not on_disk
     finally:
         sub.close(0)
 

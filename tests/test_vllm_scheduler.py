@@ -440,3 +440,29 @@ def test_lazy_offload_stores_nothing_the_engine_keeps(model_config):
 
     eager, lazy = stored("eager"), stored("lazy")
     assert eager[0] == 9 and lazy == (0, 0)
+
+
+def test_bad_settings_are_refused_by_the_connectors_earliest_hooks():
+    """vLLM calls these before it builds the KV cache (CPU: in the engine, right after loading the
+    model) or its configuration (GPU: in the user's process): a bad setting stops it there."""
+    from vllm.config import KVTransferConfig
+
+    from lmkv.config import ConfigError
+    from lmkv.connectors.vllm import LMKVConnector
+
+    bad = {"memory": {"capacity": "lots"}}
+    with pytest.raises(ConfigError, match="memory.capacity = 'lots'"):
+        LMKVConnector.requires_piecewise_for_cudagraph(bad)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        LMKVConnector.requires_piecewise_for_cudagraph({"memroy": {}})
+
+    class Config:  # what the hook reads of a VllmConfig
+        kv_transfer_config = KVTransferConfig(kv_connector="LMKVConnector", kv_role="kv_both",
+                                              kv_connector_extra_config=bad)
+
+    with pytest.raises(ConfigError):
+        LMKVConnector.get_required_kvcache_layout(Config())
+    Config.kv_transfer_config = KVTransferConfig(kv_connector="LMKVConnector", kv_role="kv_both",
+                                                 kv_connector_extra_config={"memory": {"capacity": "1GiB"}})
+    assert LMKVConnector.get_required_kvcache_layout(Config()) is None
+    assert LMKVConnector.requires_piecewise_for_cudagraph({"memory": {"capacity": "1GiB"}}) is True

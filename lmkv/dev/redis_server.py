@@ -113,19 +113,26 @@ def start_redis(port: int | None = None, maxmemory: str | None = None, password:
     return RedisProcesses(f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}", [port], [proc], workdir)
 
 
-def start_cluster(nodes: int = 3) -> RedisProcesses:
-    """``nodes`` primaries on loopback, slots spread across them, no replicas."""
+def start_cluster(nodes: int = 3, replicas: int = 0, node_timeout_ms: int = 2000) -> RedisProcesses:
+    """``nodes`` primaries on loopback, slots spread across them, each with ``replicas`` replicas
+    (promoted by the cluster when their primary has not answered for ``node_timeout_ms``).
+
+    The nodes serve their slots while another node's are uncovered
+    (``cluster-require-full-coverage no``, what a cache wants: with ``yes``, Redis refuses every
+    slot until the lost one is served again)."""
     workdir = Path(tempfile.mkdtemp(prefix="lmkv-redis-cluster-"))
-    ports = [cluster_port() for _ in range(nodes)]
+    ports = [cluster_port() for _ in range(nodes * (1 + replicas))]
     procs = []
     try:
         for port in ports:
             d = workdir / str(port)
             d.mkdir()
             procs.append(_spawn(port, d, ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                          "--cluster-node-timeout", "2000"]))
+                                          "--cluster-node-timeout", str(node_timeout_ms),
+                                          "--cluster-require-full-coverage", "no"]))
         subprocess.run([_binary("redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+                        "--cluster-replicas", str(replicas), "--cluster-yes"],
+                       check=True, capture_output=True, timeout=30)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # every node must know every slot's owner
             if all("cluster_state:ok" in subprocess.run([_binary("redis-cli"), "-p", str(p), "cluster", "info"],
@@ -139,3 +146,11 @@ def start_cluster(nodes: int = 3) -> RedisProcesses:
         raise
     url = "redis-cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
     return RedisProcesses(url, ports, procs, workdir)
+
+
+def cluster_primaries(port: int) -> list[int]:
+    """The ports of the nodes serving slots now, as the node on ``port`` sees the cluster."""
+    out = subprocess.run([_binary("redis-cli"), "-p", str(port), "cluster", "nodes"], capture_output=True,
+                         text=True, timeout=10).stdout
+    return sorted(int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in (line.split() for line in out.splitlines())
+                  if len(f) > 8 and "master" in f[2] and "fail" not in f[2])

@@ -13,10 +13,12 @@ memory; a page no tier holds is removed. :meth:`EventLog.cleared` reports every 
 as removed (a scoped reset of lmkv's own residency).
 
 Held pages are remembered with their adapter info, bounded: past ``max_held`` the
-oldest is forgotten and reported removed (a router then never counts on it). Pages a
-lower tier drops by itself (its own eviction, a TTL) are not seen here; they are
-reported removed when lmkv's residency is reset, and until then a router that sends a
-request for them gets a miss that lmkv recomputes.
+oldest is forgotten and reported removed (a router then never counts on it). A lower
+tier drops pages by itself (its own eviction, Redis's TTL or ``maxmemory``, another
+engine clearing a shared server), which no delta tells: :meth:`EventLog.audit` asks
+the lower tiers about the pages reported there, a bounded batch at a time, longest
+unchecked first, and reports those gone (or moved to another tier). Until a page's
+turn comes, a router that sends a request for it gets a miss that lmkv recomputes.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class EventLog:
     def __init__(self, max_expected: int = 1 << 16, max_held: int = 1 << 20) -> None:
         self._expected: OrderedDict[PageKey, Any] = OrderedDict()
         self._held: OrderedDict[PageKey, _Held] = OrderedDict()
+        self._below_only: OrderedDict[PageKey, None] = OrderedDict()  # held, not in memory: to audit
         self._max_expected = max_expected
         self._max_held = max_held
 
@@ -88,6 +91,7 @@ class EventLog:
                 held = self._held[key] = _Held(info)
             if MEMORY not in held.places:
                 held.places.add(MEMORY)
+                self._below_only.pop(key, None)
                 events.append(PageEvent(True, held.info, MEMORY))
         gone = [k for k in delta.removed if k in self._held and MEMORY in self._held[k].places]
         for key, tier in zip(gone, below(gone) if gone else ()):
@@ -100,17 +104,47 @@ class EventLog:
                     held.places.add(where)
                     events.append(PageEvent(True, held.info, where))
                 self._held.move_to_end(key)
-            if not held.places:
-                del self._held[key]
+            # held below, or not yet: a write-through copy may still be on its way down; the
+            # next audit reports it stored where it landed, or forgets it
+            self._below_only[key] = None
         while len(self._held) > self._max_held:  # oldest first: pages long gone from memory
-            _, held = self._held.popitem(last=False)
+            key, held = self._held.popitem(last=False)
+            self._below_only.pop(key, None)
             events.extend(PageEvent(False, held.info, where) for where in held.places)
+        return events
+
+    def audit(self, below: Callable[[Sequence[PageKey]], Sequence[str | None] | None],
+              limit: int) -> list[PageEvent]:
+        """Ask ``below`` (as in :meth:`apply`; ``None``: a tier could not answer, try later) about up
+        to ``limit`` pages reported on lower tiers only, the longest unchecked first; events for
+        those no tier holds any more (removed) or that another tier holds now."""
+        keys: list[PageKey] = []
+        for key in self._below_only:
+            if len(keys) == limit:
+                break
+            keys.append(key)
+        where = below(keys) if keys else None
+        events: list[PageEvent] = []
+        for key, tier in zip(keys, where or ()):
+            held = self._held[key]
+            now = {placement_of(tier)} if tier is not None else set()
+            events.extend(PageEvent(False, held.info, w) for w in sorted(held.places - now, key=_order))
+            events.extend(PageEvent(True, held.info, w) for w in now - held.places)
+            held.places = now
+            if now:
+                self._below_only.move_to_end(key)
+            else:
+                del self._held[key], self._below_only[key]
         return events
 
     def cleared(self) -> list[PageEvent]:
         """lmkv dropped its residency (a scoped reset): every page it reported is removed."""
-        events = [PageEvent(False, h.info, where) for h in self._held.values() for where in sorted(
-            h.places, key=lambda p: (p.medium, p.locality))]
+        events = [PageEvent(False, h.info, w) for h in self._held.values() for w in sorted(h.places, key=_order)]
         self._held.clear()
+        self._below_only.clear()
         self._expected.clear()
         return events
+
+
+def _order(p: Placement) -> tuple[str, str]:
+    return p.medium, p.locality

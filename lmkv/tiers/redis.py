@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -44,11 +44,12 @@ import redis.cluster as scluster
 from redis import exceptions as rexc
 
 from lmkv.config import ConfigError, RemoteConfig
-from lmkv.errors import PageError, TierUnavailableError
+from lmkv.errors import PageError, PartlyStoredError, TierUnavailableError
 from lmkv.keys import PageKey, key_hex
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, unpack_header
 from lmkv.tiers.base import Range
+from lmkv.tiers.redis_nodes import ClusterNodes
 from lmkv.tiers.remote import RemoteTier
 
 #: packed headers kept client-side (about 200 bytes each for an 8-layer page)
@@ -67,8 +68,11 @@ def _tls_kwargs(cfg: RemoteConfig) -> dict:
 
 
 def _cluster_retry(asyncio_client: bool):
-    """A few immediate retries, for what a cluster answers while slots move (MOVED, TRYAGAIN,
-    CLUSTERDOWN); lmkv's own health check decides when to try an unreachable backend again."""
+    """How often redis-py retries a cluster command that failed to connect, timed out or met
+    CLUSTERDOWN (MOVED, ASK and TRYAGAIN it follows on its own). Writes (asyncio) retry a few
+    times at once: a retry after a failover finds the promoted replica. Reads (blocking) never:
+    each retry of a node that hangs costs a timeout, while lmkv's health per node turns that
+    node's pages into misses at the first failure and finds the replica in the background."""
     from redis.backoff import NoBackoff
 
     if asyncio_client:
@@ -77,7 +81,7 @@ def _cluster_retry(asyncio_client: bool):
         return AsyncRetry(NoBackoff(), 3)
     from redis.retry import Retry
 
-    return Retry(NoBackoff(), 3)
+    return Retry(NoBackoff(), 0)
 
 
 def make_client(cfg: RemoteConfig, asyncio_client: bool = True):
@@ -128,10 +132,25 @@ class RedisTier(RemoteTier):
         self._thread = threading.Thread(target=self._loop.run_forever, name="lmkv-redis", daemon=True)
         self._thread.start()
         self._client = self._run_plain(self._make_client(), cfg.connect_timeout + 1)
-        self._reader = make_client(cfg, asyncio_client=False)
+        self._reader_made: Any = None  # redis.Redis or redis.cluster.RedisCluster, made by _reader()
+        self._reader_lock = threading.Lock()
+        self.nodes = ClusterNodes(name, self._reader) if self.cluster else None
+        if not self.cluster:
+            self._reader()
 
     async def _make_client(self):
         return make_client(self.cfg)
+
+    def _reader(self):
+        """The blocking client, made at first use: a cluster client asks for the slot map as it
+        is made, so an engine that starts while the cluster is down makes it once it is up."""
+        with self._reader_lock:
+            if self._reader_made is None:
+                try:
+                    self._reader_made = make_client(self.cfg, asyncio_client=False)
+                except _UNREACHABLE as err:
+                    raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+            return self._reader_made
 
     # -- running coroutines from the store's threads ------------------------------
 
@@ -150,6 +169,42 @@ class RedisTier(RemoteTier):
         except TimeoutError as err:  # concurrent.futures timeout: the loop itself is stuck
             raise TierUnavailableError(f"{self.name}: no answer in {self.cfg.timeout} s") from err
 
+    def _per_node(self, names: Sequence[bytes], job: Callable[[list[int]], Awaitable[list]]) -> dict[int, Any]:
+        """``job(indices)`` once per node serving some of ``names``, concurrently, each with its own
+        deadline; per index, what its node's job returned. Indices on a node that is down, or that
+        fails now (and is marked down), are left out. Without a cluster: one job, and a failure
+        raises (the tier's own health takes it)."""
+        if self.nodes is None:
+            every = list(range(len(names)))
+            return dict(zip(every, self._run(job(every))))
+        groups = self.nodes.group(names)
+
+        async def each(idx: list[int]):
+            try:
+                return await asyncio.wait_for(job(idx), self.cfg.timeout)
+            except _UNREACHABLE as err:
+                return err
+
+        async def run():
+            return await asyncio.gather(*(each(idx) for idx in groups.values()))
+
+        try:
+            results = self._run_plain(run(), self.cfg.timeout + 1)
+        except TimeoutError as err:
+            raise TierUnavailableError(f"{self.name}: no answer in {self.cfg.timeout} s") from err
+        out: dict[int, Any] = {}
+        for (node, idx), res in zip(groups.items(), results):
+            if isinstance(res, BaseException):
+                self.stats.errors += 1
+                self.nodes.failed(node, res)
+            else:
+                out.update(zip(idx, res))
+        return out
+
+    def node_of(self, key: PageKey) -> str | None:
+        """The cluster node (``host:port``) serving ``key``'s page now; ``None`` on one node."""
+        return self.nodes.node_of(self._names(key)[0]) if self.nodes is not None else None
+
     def _names(self, key: PageKey) -> tuple[bytes, bytes]:
         tag = f"{self._prefix}{{{key_hex(key)}}}"
         return (tag + ":h").encode(), (tag + ":p").encode()
@@ -157,16 +212,25 @@ class RedisTier(RemoteTier):
     # -- primitives ----------------------------------------------------------
 
     def _ping(self) -> None:
+        if self.cluster:  # the tier is up when some node answers; each node has its own health
+            try:
+                self._reader().ping(target_nodes=scluster.RedisCluster.RANDOM)
+            except _UNREACHABLE as err:
+                raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+            return
         self._run(self._client.ping())
 
     def _exists(self, keys: Sequence[PageKey]) -> list[bool]:
-        async def run():
+        names = [self._names(k)[0] for k in keys]
+
+        async def job(idx: list[int]) -> list[bool]:
             async with self._client.pipeline(transaction=False) as pipe:
-                for k in keys:
-                    pipe.exists(self._names(k)[0])
+                for i in idx:
+                    pipe.exists(names[i])
                 return [bool(n) for n in await pipe.execute()]
 
-        return self._run(run())
+        found = self._per_node(names, job)
+        return [found.get(i, False) for i in range(len(keys))]
 
     def _cached_header(self, key: PageKey) -> PageHeader | None:
         with self._headers_lock:
@@ -186,17 +250,32 @@ class RedisTier(RemoteTier):
 
     def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               ranges: Sequence[Range] | None) -> list:
-        try:
-            return [self._read_one(k, layout, o, ranges) for k, o in zip(keys, outs)]
-        except _UNREACHABLE as err:
-            raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+        reader = self._reader()
+        if self.nodes is None:
+            try:
+                return [self._read_one(reader, k, layout, o, ranges) for k, o in zip(keys, outs)]
+            except _UNREACHABLE as err:
+                raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+        got: list = []
+        for k, o in zip(keys, outs):  # a page on a down node is a miss; the others are read
+            node = self.nodes.node_of(self._names(k)[0])
+            if node is None or not self.nodes.health(node).up:
+                got.append(None)
+                continue
+            try:
+                got.append(self._read_one(reader, k, layout, o, ranges))
+            except _UNREACHABLE as err:
+                self.stats.errors += 1
+                self.nodes.failed(node, err)
+                got.append(None)
+        return got
 
-    def _read_one(self, key: PageKey, layout: GroupLayout, out, ranges: Sequence[Range] | None):
+    def _read_one(self, reader, key: PageKey, layout: GroupLayout, out, ranges: Sequence[Range] | None):
         h, p = self._names(key)
         want = [(0, layout.payload_bytes)] if ranges is None else list(ranges)
         header = self._cached_header(key)
         if header is None or len(want) > 1:
-            pipe = self._reader.pipeline(transaction=False)
+            pipe = reader.pipeline(transaction=False)
             if header is None:
                 pipe.get(h)
             for a, b in want:
@@ -207,12 +286,12 @@ class RedisTier(RemoteTier):
                 if header is None:
                     return None
         elif ranges is None:
-            replies = [self._reader.get(p)]
+            replies = [reader.get(p)]
         else:
-            replies = [self._reader.getrange(p, want[0][0], want[0][1] - 1)]
+            replies = [reader.getrange(p, want[0][0], want[0][1] - 1)]
         if not replies[0]:  # gone, or Redis evicted the payload but not the header
             self._remember(key, None)
-            self._reader.delete(h, p)
+            reader.delete(h, p)
             return None
         dst = as_bytes_view(out)
         for (a, b), part in zip(want, replies):
@@ -231,32 +310,40 @@ class RedisTier(RemoteTier):
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
         """Payloads one ``SET`` at a time (measured faster than pipelining many 2 MiB values, and it
         bounds what the client buffers), then every header in one pipeline: a page becomes
-        visible only once its payload is there."""
-        async def run():
+        visible only once its payload is there. On a cluster each node's pages go concurrently;
+        pages whose node is down raise :class:`PartlyStoredError` once the rest are written."""
+        names = [self._names(h.key) for h, _ in pages]
+
+        async def job(idx: list[int]) -> list[bool]:
             ok: list[bool] = []
-            for h, payload in pages:
+            for i in idx:
                 try:
-                    ok.append(await self._client.set(self._names(h.key)[1], payload, px=self._px) is True)
+                    ok.append(await self._client.set(names[i][1], pages[i][1], px=self._px) is True)
                 except rexc.ResponseError as err:
                     self._refused(err)
                     ok.append(False)
-            todo = [h for h, good in zip((h for h, _ in pages), ok) if good]
+            todo = [i for i, good in zip(idx, ok) if good]
             if todo:
                 async with self._client.pipeline(transaction=False) as pipe:
-                    for h in todo:
-                        pipe.set(self._names(h.key)[0], h.pack(), px=self._px)
-                    replies = iter(await pipe.execute(raise_on_error=False))
-                for i, good in enumerate(ok):
-                    if good:
-                        r = next(replies)
-                        if r is True:
+                    for i in todo:
+                        pipe.set(names[i][0], pages[i][0].pack(), px=self._px)
+                    replies = dict(zip(todo, await pipe.execute(raise_on_error=False)))
+                for j, i in enumerate(idx):
+                    if ok[j]:
+                        if replies[i] is True:
                             self._remember(pages[i][0].key, pages[i][0])
                         else:
-                            self._refused(r)
-                            ok[i] = False
+                            self._refused(replies[i])
+                            ok[j] = False
             return ok
 
-        return self._run(run())
+        done = self._per_node([n for _, n in names], job)
+        stored = [done.get(i, False) for i in range(len(pages))]
+        lost = [i for i in range(len(pages)) if i not in done]
+        if lost:
+            raise PartlyStoredError(f"{self.name}: {len(lost)} of {len(pages)} pages on nodes that are down "
+                                    f"({', '.join(self.nodes.down) if self.nodes else ''})", stored, lost)
+        return stored
 
     def _refused(self, reply) -> None:
         """Count a write Redis refused: full (``maxmemory`` with noeviction) or another error."""
@@ -266,40 +353,54 @@ class RedisTier(RemoteTier):
             self.stats.errors += 1
 
     def _delete(self, keys: Sequence[PageKey]) -> int:
-        async def run():
-            async with self._client.pipeline(transaction=False) as pipe:
-                for k in keys:
-                    self._remember(k, None)
-                    pipe.delete(*self._names(k))
-                return sum(1 for n in await pipe.execute() if n)
+        for k in keys:
+            self._remember(k, None)
+        names = [self._names(k) for k in keys]
 
-        return self._run(run())
+        async def job(idx: list[int]) -> list[int]:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for i in idx:
+                    pipe.delete(*names[i])
+                return await pipe.execute()
+
+        return sum(1 for n in self._per_node([h for h, _ in names], job).values() if n)
 
     def _clear(self, domain: str) -> int:
         """Redis pages belong to no engine's domain (see the module docstring): nothing to drop."""
         return 0
 
     def _fetch_usage(self) -> tuple[int, int, int]:
-        async def run():
-            if self.cluster:
-                nodes = self._client.get_primaries()
-                infos = [await self._client.info("memory", target_nodes=n) for n in nodes]
-                sizes = [await self._client.dbsize(target_nodes=n) for n in nodes]
-            else:
-                infos = [await self._client.info("memory")]
-                sizes = [await self._client.dbsize()]
-            used = sum(int(i.get("used_memory", 0)) for i in infos)
-            cap = sum(int(i.get("maxmemory", 0)) for i in infos)
-            return used, cap, sum(sizes) // 2
+        """Summed over the primaries that answer (a down node is left out, not a failed tier)."""
+        async def one(**target):
+            info = await self._client.info("memory", **target)
+            return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), await self._client.dbsize(**target)
 
-        return self._run(run())
+        if not self.cluster:
+            used, cap, n = self._run(one())
+            return used, cap, n // 2
+
+        async def each(node):
+            try:
+                return await asyncio.wait_for(one(target_nodes=node), self.cfg.timeout)
+            except _UNREACHABLE:
+                return (0, 0, 0)
+
+        async def run():
+            return await asyncio.gather(*(each(n) for n in self._client.get_primaries()))
+
+        parts = self._run_plain(run(), self.cfg.timeout + 1)
+        used, cap, n = (sum(col) for col in zip(*parts)) if parts else (0, 0, 0)
+        return used, cap, n // 2
 
     def close(self) -> None:
         super().close()
+        if self.nodes is not None:
+            self.nodes.close()
         try:
             self._run_plain(self._client.aclose(), 2)
         except Exception:  # closing a client whose server is gone must not fail shutdown
             pass
-        self._reader.close()
+        if self._reader_made is not None:
+            self._reader_made.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(2)

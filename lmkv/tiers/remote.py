@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmkv.config import RemoteConfig
-from lmkv.errors import PageError, PageFormatError, TierUnavailableError
+from lmkv.errors import PageError, PageFormatError, PartlyStoredError, TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import (
@@ -43,11 +43,12 @@ log = logging.getLogger(__name__)
 class Health:
     """Up or down, with a background reconnect loop while down.
 
-    ``ping`` raises when the backend is unreachable. The first failure is logged
-    (once per outage), later calls fail fast until a ping succeeds.
+    ``ping`` raises when the backend is unreachable (and may return a note on how it is
+    reachable again). The first failure is logged (once per outage), later calls fail fast
+    until a ping succeeds; the recovery is logged once too.
     """
 
-    def __init__(self, name: str, ping: Callable[[], None], min_backoff: float = 0.2, max_backoff: float = 5.0):
+    def __init__(self, name: str, ping: Callable[[], str | None], min_backoff: float = 0.2, max_backoff: float = 5.0):
         self.name = name
         self._ping = ping
         self._min, self._max = min_backoff, max_backoff
@@ -70,22 +71,24 @@ class Health:
             if self._down_since is not None or self._stop.is_set():
                 return
             self._down_since = time.time()
-            log.warning("lmkv: %s tier unreachable (%s); serving without it, reconnecting in the background",
-                        self.name, err)
-            self._thread = threading.Thread(target=self._reconnect, name=f"lmkv-{self.name}-reconnect", daemon=True)
+            log.warning("lmkv: %s unreachable (%s: %s); serving without it, reconnecting in the background",
+                        self.name, type(err).__name__, err)
+            self._thread = threading.Thread(target=self._reconnect, daemon=True,
+                                            name=f"lmkv-{self.name.replace(' ', '-')}-reconnect")
             self._thread.start()
 
     def _reconnect(self) -> None:
         delay = self._min
         while not self._stop.wait(delay):
             try:
-                self._ping()
+                note = self._ping()
             except Exception:  # any failure: still down
                 delay = min(delay * 2, self._max)
                 continue
             with self._lock:
                 down_for = time.time() - (self._down_since or 0)
-                log.warning("lmkv: %s tier reachable again after %.1f s", self.name, down_for)
+                log.warning("lmkv: %s reachable again after %.1f s%s", self.name, down_for,
+                            f" ({note})" if note else "")
                 self._down_since = None
             return
 
@@ -148,7 +151,7 @@ class RemoteTier(Tier):
         super().__init__(name)
         self.cfg = cfg
         self.verifies = cfg.verify
-        self.health = Health(name, self._ping)
+        self.health = Health(f"{name} tier", self._ping)
         self._usage = (0, 0, 0)
         self._usage_at = 0.0
 
@@ -185,6 +188,8 @@ class RemoteTier(Tier):
         self.health.guard()
         try:
             return fn(*args)
+        except PartlyStoredError:  # some of a cluster's nodes are down: they keep their own health
+            raise
         except TierUnavailableError as err:
             self.stats.errors += 1
             self.health.failed(err)
@@ -244,12 +249,19 @@ class RemoteTier(Tier):
         for h, v in views:
             if len(v) != h.payload_len:
                 raise ValueError(f"payload of {len(v)} bytes, header says {h.payload_len}")
-        ok = self._call(self._write, views, domain)
+        try:
+            ok = self._call(self._write, views, domain)
+        except PartlyStoredError as err:
+            self._count_puts(views, err.stored)
+            raise
+        self._count_puts(views, ok)
+        return ok
+
+    def _count_puts(self, views: Sequence[tuple[PageHeader, memoryview]], ok: Sequence[bool]) -> None:
         for (h, _), stored in zip(views, ok):
             if stored:
                 self.stats.puts += 1
                 self.stats.put_bytes += h.payload_len
-        return ok
 
     def delete(self, keys: Sequence[PageKey]) -> int:
         return self._call(self._delete, keys) if keys else 0
