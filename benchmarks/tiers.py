@@ -1,19 +1,23 @@
 """``lmkv bench tiers``: put/get GB/s of the host-memory and disk tiers beside their ceilings.
 
-Per page size (256 KiB, 2 MiB, 16 MiB):
+Per page size (256 KiB, 2 MiB, 16 MiB), each figure against a baseline that moves the same
+bytes the same way (through the page cache, or past it), in the same run:
 
 - ``memory.put.*``: ``TieredStore.put`` into a memory-only store, which makes the
   page header (checksums, one pass) and copies into the arena; baseline: a numpy
   memcpy of the same bytes into preallocated buffers.
 - ``memory.get.*``: ``TieredStore.get`` into preallocated buffers; same baseline.
-- ``disk.put.*``: make the header and ``DiskTier.put`` (temp file, fsync, link);
-  baseline: plain sequential write + fsync of the same bytes, one file per
-  page, same directory.
-- ``disk.get.*``: ``DiskTier.get`` (read + checksum verification); baseline: a
-  plain read of those files into a preallocated buffer, after dropping them
-  from the page cache (the tier's O_DIRECT reads never hit the cache either).
-- ``disk.*.vs_odirect``: the same tier figures against raw O_DIRECT I/O of the
-  same bytes, the device's own ceiling.
+- ``disk.put.*``: make the header and ``DiskTier.put`` with buffered I/O (the default:
+  temp file, write, fsync, link); baseline: a plain buffered write + fsync of the same
+  bytes, one file per page, same directory.
+- ``disk.put.*.direct``: the same with ``disk.io: direct``, against raw O_DIRECT
+  write + fsync (where the file system takes O_DIRECT).
+- ``disk.get.*.hot``: ``DiskTier.get`` (read + checksum verification) of page files the
+  OS page cache holds; baseline: a plain buffered read of cached files of the same size
+  into the same buffers.
+- ``disk.get.*.cold``: the same with the page cache dropped before each round, for the
+  tier's files and the baseline's alike (``POSIX_FADV_DONTNEED`` on each file).
+- ``disk.get.*.direct``: a ``disk.io: direct`` tier's reads against raw O_DIRECT reads.
 
 Every round runs the tier and its baselines back to back; figures are medians.
 """
@@ -35,7 +39,7 @@ from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
 from lmkv.page import make_header
 from lmkv.store import TieredStore
-from lmkv.tiers.disk import DiskTier
+from lmkv.tiers.disk import DiskTier, probe_direct_io
 
 log = logging.getLogger("lmkv.bench.tiers")
 
@@ -119,15 +123,21 @@ def _raw_write(paths: list[Path], payloads: list[np.ndarray], direct: bool) -> f
     return timed(run)
 
 
-def _raw_read(paths: list[Path], dst: np.ndarray, direct: bool) -> float:
-    for p in paths:  # cold start for the buffered baseline, as for the tier's O_DIRECT reads
+def _drop_cached(paths: list[str]) -> None:
+    """Evict these (written, fsynced) files from the OS page cache."""
+    for p in paths:
         fd = os.open(p, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _raw_read(paths: list[str], dsts: list[np.ndarray], direct: bool) -> float:
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
 
     def run() -> None:
-        for p in paths:
+        for p, dst in zip(paths, dsts):
             fd = os.open(p, flags)
             try:
                 os.readv(fd, [dst.data])
@@ -137,49 +147,77 @@ def _raw_read(paths: list[Path], dst: np.ndarray, direct: bool) -> float:
     return timed(run)
 
 
+def _page_files(tier_root: Path) -> list[str]:
+    return [str(p) for p in (tier_root / "d").rglob("*.page")]
+
+
 def _disk(report: Report, label: str, lay: GroupLayout, n: int, rounds: int, root: Path) -> dict:
     size = lay.payload_bytes
     payloads = aligned_buffers(n, size, fill=True)
     dsts = aligned_buffers(n, size, fill=False)
+    raw_dsts = aligned_buffers(n, size, fill=False)
     keys = random_keys(n)
     raw_dir = root / "raw"
     raw_dir.mkdir(exist_ok=True)
-    raw = [raw_dir / f"p{i}" for i in range(n)]
-    tier = DiskTier(DiskConfig(path=str(root / "tier"), capacity=4 * n * size))
+    raw = [str(raw_dir / f"p{i}") for i in range(n)]
+    tiers = {"buffered": DiskTier(DiskConfig(path=str(root / "buffered"), capacity=4 * n * size, io="buffered"))}
+    if probe_direct_io(root):
+        tiers["direct"] = DiskTier(DiskConfig(path=str(root / "direct"), capacity=4 * n * size, io="direct"))
 
-    def put() -> float:
-        def run() -> None:
-            tier.put([(make_header(k, lay, p), p) for k, p in zip(keys, payloads)], "bench")
+    def put(tier: DiskTier):
+        def once() -> float:
+            t = timed(lambda: tier.put([(make_header(k, lay, p), p) for k, p in zip(keys, payloads)], "bench"))
+            tier.delete(keys)
+            return gbps(n * size, t)
 
-        t = timed(run)
-        tier.delete(keys)
-        return gbps(n * size, t)
-
-    def get() -> float:
-        return gbps(n * size, timed(lambda: tier.get(keys, lay, dsts)))
+        return once
 
     def raw_put(direct: bool):
-        return lambda: gbps(n * size, _raw_write(raw, payloads, direct))
+        return lambda: gbps(n * size, _raw_write([Path(p) for p in raw], payloads, direct))
 
-    scratch = aligned_buffers(1, size, fill=False)[0]
+    def get(tier: DiskTier, cold: bool):
+        def once() -> float:
+            if cold:
+                _drop_cached(_page_files(tier.root))
+            return gbps(n * size, timed(lambda: tier.get(keys, lay, dsts)))
 
-    def raw_get(direct: bool):
-        return lambda: gbps(n * size, _raw_read(raw, scratch, direct))
+        return once
 
-    put_v, put_b, put_d = interleaved(rounds, put, raw_put(False), raw_put(True))
-    tier.put([(make_header(k, lay, p), p) for k, p in zip(keys, payloads)], "bench")
-    get_v, get_b, get_d = interleaved(rounds, get, raw_get(False), raw_get(True))
-    for d in dsts:
-        d[:] = 0
-    tier.get(keys, lay, dsts)
-    assert all((d == s).all() for d, s in zip(dsts, payloads)), "disk tier returned wrong bytes"
+    def raw_get(direct: bool, cold: bool):
+        def once() -> float:
+            if cold:
+                _drop_cached(raw)
+            return gbps(n * size, _raw_read(raw, raw_dsts, direct))
+
+        return once
+
+    put_v, put_b = interleaved(rounds, put(tiers["buffered"]), raw_put(False))
     report.add(f"disk.put.{label}", put_v, "GB/s", put_b,
-               "plain sequential write+fsync of the same bytes, one file per page, same file system")
-    report.add(f"disk.get.{label}", get_v, "GB/s", get_b,
-               "plain read of those files into a preallocated buffer, page cache dropped first")
-    report.add(f"disk.put.{label}.vs_odirect", put_v, "GB/s", put_d, "raw O_DIRECT write+fsync of the same bytes")
-    report.add(f"disk.get.{label}.vs_odirect", get_v, "GB/s", get_d, "raw O_DIRECT read of the same bytes")
-    return {"direct_io": tier.direct}
+               "plain buffered write+fsync of the same bytes, one file per page, same file system")
+    if "direct" in tiers:
+        v, b = interleaved(rounds, put(tiers["direct"]), raw_put(True))
+        report.add(f"disk.put.{label}.direct", v, "GB/s", b, "raw O_DIRECT write+fsync of the same bytes")
+    for tier in tiers.values():
+        tier.put([(make_header(k, lay, p), p) for k, p in zip(keys, payloads)], "bench")
+    _raw_write([Path(p) for p in raw], payloads, direct=False)
+    hot = tiers["buffered"]
+    hot.get(keys, lay, dsts)  # both read once: in the page cache
+    _raw_read(raw, raw_dsts, direct=False)
+    v, b = interleaved(rounds, get(hot, cold=False), raw_get(False, cold=False))
+    report.add(f"disk.get.{label}.hot", v, "GB/s", b, "plain buffered read of page-cached files, same buffers")
+    v, b = interleaved(rounds, get(hot, cold=True), raw_get(False, cold=True))
+    report.add(f"disk.get.{label}.cold", v, "GB/s", b,
+               "plain buffered read, the page cache dropped for both first, same buffers")
+    if "direct" in tiers:
+        v, b = interleaved(rounds, get(tiers["direct"], cold=False), raw_get(True, cold=False))
+        report.add(f"disk.get.{label}.direct", v, "GB/s", b, "raw O_DIRECT read of the same bytes")
+    for tier in tiers.values():
+        for d in dsts:
+            d[:] = 0
+        tier.get(keys, lay, dsts)
+        assert all((d == s).all() for d, s in zip(dsts, payloads)), f"{tier.root.name} disk tier: wrong bytes"
+        tier.close()
+    return {"direct_io_supported": "direct" in tiers}
 
 
 def run(quick: bool, directory: str | None = None) -> Report:

@@ -131,9 +131,19 @@ def make_header(key: PageKey, layout: GroupLayout, payload) -> PageHeader:
             f"group {layout.name!r}: payload has {len(view)} bytes, layout says {layout.payload_bytes}"
         )
     n_units = num_units(layout)
-    digests = np.array(_digests(layout, view, range(n_units)), dtype="<u8").tobytes()
+    return header_of_digests(key, layout, np.array(_digests(layout, view, range(n_units)), dtype="<u8").tobytes())
+
+
+def header_of_digests(key: PageKey, layout: GroupLayout, digests: bytes) -> PageHeader:
+    """The header of a page whose unit digests were computed elsewhere (on the GPU, for a page
+    stored from device memory: :mod:`lmkv.cuda.digests`)."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a key has {KEY_BYTES} bytes, got {len(key)}")
+    if len(digests) != 8 * num_units(layout):
+        raise ValueError(f"group {layout.name!r}: {len(digests) // 8} digests for {num_units(layout)} units")
     fp = layout.fingerprint
-    return PageHeader(key, fp, len(view), digests, _header_checksum(key, fp, len(view), digests))
+    plen = layout.payload_bytes
+    return PageHeader(key, fp, plen, digests, _header_checksum(key, fp, plen, digests))
 
 
 def rekey(header: PageHeader, key: PageKey) -> PageHeader:

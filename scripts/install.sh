@@ -14,6 +14,13 @@ if ! command -v redis-server >/dev/null || ! command -v openssl >/dev/null; then
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server openssl >/dev/null
 fi
 # Debian's package starts a redis-server on 6379 as a service; lmkv's tests start their own.
+# The HIP compile checks of the kernels: Debian's hipcc (ROCm 5.2) for gfx90a, and LLVM 19 with
+# ROCm's HIP headers for gfx942 (newer than ROCm 5.2). Optional: the tests skip without them.
+if ! command -v hipcc >/dev/null || ! command -v clang-19 >/dev/null; then
+    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq hipcc libamdhip64-dev clang-19 >/dev/null; } ||
+        echo "install.sh: hipcc / clang-19 not installed; the HIP compile checks will be skipped" >&2
+fi
 PY=${PYTHON:-python3}
 VENV=.venv
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"

@@ -146,7 +146,8 @@ def test_a_non_editable_install_holds_every_module(tmp_path):
                    check=True, timeout=300, capture_output=True)
     probe = ("import importlib, importlib.resources, json, sys\n"
              "files = {m: importlib.import_module(m).__file__ for m in sys.argv[1:]}\n"
-             "kernel = importlib.resources.files('lmkv.cuda').joinpath('block_copy.cu').is_file()\n"
+             "kernel = all(importlib.resources.files('lmkv.cuda').joinpath(f).is_file()\n"
+             "             for f in ('block_copy.cu', 'xxh3.cu'))\n"
              "print(json.dumps({'files': files, 'kernel': kernel}))\n")
     out = subprocess.run([sys.executable, "-c", probe, *sorted(MODULES)], check=True, timeout=300,
                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})

@@ -35,7 +35,7 @@ def test_config_file_key_in_dict(tmp_path):
         ({"memory": {"policy": "fifo"}}, "memory.policy", "'fifo'", "'lru' or 's3fifo'"),
         ({"memory": {"capacity": "lots"}}, "memory.capacity", "'lots'", "byte size"),
         ({"store": {"io_threads": 0}}, "store.io_threads", "0", "greater than or equal to 1"),
-        ({"disk": {"io": "gds2"}}, "disk.io", "'gds2'", "'auto', 'buffered' or 'direct'"),
+        ({"disk": {"io": "gds2"}}, "disk.io", "'gds2'", "'auto', 'buffered', 'direct' or 'gds'"),
     ],
 )
 def test_bad_value_names_field_value_and_accepted(overrides, field, value, accepted):

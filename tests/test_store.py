@@ -180,13 +180,16 @@ def test_bench_tiers_quick_json_shape(tmp_path):
     )
     report = json.loads(out.stdout)
     assert report["bench"] == "tiers" and report["lmkv_version"]
-    for tier in ("memory", "disk"):
-        for op in ("put", "get"):
-            for size in ("256KiB", "2MiB", "16MiB"):
-                m = report["metrics"][f"{tier}.{op}.{size}"]
-                assert m["unit"] == "GB/s" and m["value"] > 0 and m["baseline"] > 0
-                assert m["ratio"] == pytest.approx(m["value"] / m["baseline"])
-                assert m["baseline_what"]
+    for what in ("memory.put", "memory.get", "disk.put", "disk.get.{}.hot", "disk.get.{}.cold"):
+        for size in ("256KiB", "2MiB", "16MiB"):
+            name = what.format(size) if "{}" in what else f"{what}.{size}"
+            m = report["metrics"][name]
+            assert m["unit"] == "GB/s" and m["value"] > 0 and m["baseline"] > 0
+            assert m["ratio"] == pytest.approx(m["value"] / m["baseline"])
+            assert m["baseline_what"]
+    # hot against page-cached files, cold against files dropped from the cache: never hot vs cold
+    assert "page-cached" in report["metrics"]["disk.get.2MiB.hot"]["baseline_what"]
+    assert "dropped" in report["metrics"]["disk.get.2MiB.cold"]["baseline_what"]
     assert not list(tmp_path.iterdir())  # the bench cleans up its files
 
 

@@ -54,6 +54,7 @@ from lmkv.page import (
     verify_unit_buffers,
     verify_units,
 )
+from lmkv.tiers import gds
 from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import LocalTier, Range, ReadsInPlace, WriteSession
 from lmkv.tiers.eviction import EvictionPolicy, make_policy
@@ -213,7 +214,9 @@ class DiskTier(LocalTier, ReadsInPlace):
         self._data = self.root / "d"
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._data.mkdir(parents=True, exist_ok=True)
-        self.direct = cfg.io == "direct" or (cfg.io == "auto" and probe_direct_io(self._tmp))
+        #: cuFile, where GDS moves payloads between page files and device memory (``disk.io``)
+        self.gds = gds.choose(self._tmp, required=cfg.io == "gds") if cfg.io in ("auto", "gds") else None
+        self.direct = self.gds is not None or cfg.io == "direct" or (cfg.io == "auto" and probe_direct_io(self._tmp))
         if cfg.io == "direct" and not probe_direct_io(self._tmp):
             raise ValueError(f"disk.io = 'direct': the file system under {self.root} refuses O_DIRECT")
         self._lock = threading.Lock()
@@ -373,8 +376,9 @@ class DiskTier(LocalTier, ReadsInPlace):
             self.stats.misses += 1
             return None
         units = out if isinstance(out, list) else None
-        dst = None if units is not None else as_bytes_view(out)
-        direct = self.direct and dst is not None and (
+        device = out if isinstance(out, gds.DeviceBuffer) else None
+        dst = None if units is not None or device is not None else as_bytes_view(out)
+        direct = device is not None or self.direct and dst is not None and (
             ranges is None or all(s % ALIGN == 0 and _aligned(dst[s:t], t - s) for s, t in ranges)
         )
         try:
@@ -383,8 +387,11 @@ class DiskTier(LocalTier, ReadsInPlace):
             self._discard(key, "file vanished")
             self.stats.misses += 1
             return None
+        header: PageHeader | _Blocked
         try:
-            if units is not None:
+            if device is not None:
+                header = self._read_to_device(fd, key, layout, device)
+            elif units is not None:
                 header = self._read_units(fd, key, layout, units, nowait)
             elif ranges is None:
                 assert dst is not None
@@ -432,6 +439,18 @@ class DiskTier(LocalTier, ReadsInPlace):
         verify_payload(header, layout, dst)
         return header
 
+    def _read_to_device(self, fd: int, key: PageKey, layout: GroupLayout, out: gds.DeviceBuffer) -> PageHeader:
+        """GDS: the header into a host buffer (parsed and checked here), the payload with cuFile
+        into device memory; its digests are checked on the device by :meth:`get_device`."""
+        assert self.gds is not None
+        hdr_bytes = disk_header_bytes(layout)
+        hdr = self._bounce.get(hdr_bytes)
+        if os.preadv(fd, [hdr], 0) < hdr_bytes:
+            raise ShortReadError("page header is truncated")
+        header = unpack_header(hdr, expect_key=key, layout=layout)
+        self.gds.read(fd, out.ptr, padded(layout.payload_bytes), hdr_bytes)
+        return header
+
     def _read_units(self, fd: int, key: PageKey, layout: GroupLayout, units: list,
                     nowait: bool) -> PageHeader | _Blocked:
         """Header and payload in one ``preadv``, each unit into its own buffer (an engine's block rows)."""
@@ -461,19 +480,27 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     def _write_tmp(self, header: PageHeader, payload) -> Path:
         """Write one page to a temp file, flushed; raises OSError (temp file removed) on failure."""
-        src = as_bytes_view(payload)
         hdr_bytes = header.disk_header_bytes
         plen = header.payload_len
         tmp = self._tmp / f"{key_hex(header.key)}.{os.getpid()}.{uuid.uuid4().hex}"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self.direct else 0), 0o644)
         try:
             packed = header.pack()
-            if self.direct and _aligned(src, padded(plen)):
+            if isinstance(payload, gds.DeviceBuffer):  # GDS: the header from here, the payload with cuFile
+                assert self.gds is not None
+                hdr = self._bounce.get(hdr_bytes)
+                hdr[: len(packed)] = packed
+                hdr[len(packed) :] = bytes(hdr_bytes - len(packed))
+                _pwritev_all(fd, [hdr])
+                self.gds.write(fd, payload.ptr, padded(plen), hdr_bytes)
+                iov = []
+            elif self.direct and _aligned(src := as_bytes_view(payload), padded(plen)):
                 hdr = self._bounce.get(hdr_bytes)
                 hdr[: len(packed)] = packed
                 hdr[len(packed) :] = bytes(hdr_bytes - len(packed))
                 iov = [hdr, src[: padded(plen)]]
             else:
+                src = as_bytes_view(payload)
                 total = hdr_bytes + padded(plen)
                 scratch = self._bounce.get(total)
                 scratch[: len(packed)] = packed
@@ -481,7 +508,8 @@ class DiskTier(LocalTier, ReadsInPlace):
                 scratch[hdr_bytes : hdr_bytes + plen] = src[:plen]
                 scratch[hdr_bytes + plen :] = bytes(total - hdr_bytes - plen)
                 iov = [scratch]
-            _pwritev_all(fd, iov)
+            if iov:
+                _pwritev_all(fd, iov)
             if self.cfg.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -622,8 +650,34 @@ class DiskTier(LocalTier, ReadsInPlace):
     def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         return self._read(key, layout, out, list(ranges))
 
+    def get_device(self, keys: Sequence[PageKey], layout: GroupLayout,
+                   outs: Sequence[gds.DeviceBuffer]) -> list[PageHeader | None]:
+        """GDS: each page's payload into device memory (``padded(payload_bytes)`` bytes at each
+        ``outs[i].ptr``), verified there in one launch; a page that fails any check is a miss and
+        is dropped, as on the host path. Pages are written by :meth:`put` with ``DeviceBuffer``
+        payloads, or by any engine: the files are the same."""
+        if self.gds is None:
+            raise ValueError(f"disk tier {self.root}: GPUDirect Storage is not in use (disk.io)")
+        from lmkv.cuda.digests import verify_on_device
+
+        heads: list[PageHeader | None] = list(self._io.map(lambda i: self._read(keys[i], layout, outs[i]),
+                                                          range(len(keys))))
+        read = [i for i, h in enumerate(heads) if h is not None]
+        ok = verify_on_device([outs[i].ptr for i in read], layout, [h for h in heads if h is not None],
+                              device=self.gds.device) if read else []
+        for i, good in zip(read, ok):
+            if not good:
+                self._discard(keys[i], "payload digest mismatch (verified on the device)")
+                self.stats.hits -= 1
+                self.stats.misses += 1
+                heads[i] = None
+        return heads
+
     def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
+        r"""``pages``' payloads are host buffers, or with GDS :class:`~lmkv.tiers.gds.DeviceBuffer`\ s."""
         check_domain(domain)
+        if self.gds is None and any(isinstance(p, gds.DeviceBuffer) for _, p in pages):
+            raise ValueError(f"disk tier {self.root}: a page in device memory, and GPUDirect Storage is not in use")
         if len(pages) < 2:
             return [self._put_one(header, payload, domain) for header, payload in pages]
         return list(self._io.map(lambda hp: self._put_one(hp[0], hp[1], domain), pages))

@@ -1,0 +1,232 @@
+"""GPUDirect Storage for the disk tier: page payloads read into device memory and written from it.
+
+The disk tier's files are the same whichever engine moves their bytes (header padded
+to 4 KiB, then the payload padded to 4 KiB: :mod:`lmkv.tiers.disk`): with cuFile
+the header still travels through a small host buffer (it is parsed and its
+checksum checked on the CPU), and the payload goes between the file and device
+memory with ``cuFileRead`` / ``cuFileWrite``, through nothing else where the
+nvidia-fs driver is loaded (true GDS), or through cuFile's own bounce buffers where
+it is not (its compatibility mode: POSIX reads inside libcufile, still no copy
+through lmkv's memory). The payload is then verified on the device
+(:mod:`lmkv.cuda.digests`).
+
+The binding is cuda-python's ``cuda.bindings.cufile``, a thin layer over libcufile
+(the ``nvidia-cufile`` wheel): pointer-based reads at any file and buffer offset,
+which is what a page (a payload at a fixed offset into a slot of a staging buffer)
+needs; it comes with the CUDA Python stack a GPU machine has. (KvikIO adds a thread
+pool and its own compatibility mode on top of the same library; lmkv's disk tier
+already runs its own I/O threads.)
+
+:func:`probe` says whether GDS can serve a directory, and why not: no CUDA device,
+no cuFile library, a file system cuFile does not read (tmpfs, overlayfs, ...), or
+cuFile refusing a file there. ``disk.io: auto`` falls back to POSIX I/O then,
+logged once; ``disk.io: gds`` refuses to start with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: file systems cuFile reads (ext4 and xfs locally; the distributed ones with their GDS clients)
+GDS_FILESYSTEMS = frozenset({"ext4", "xfs", "lustre", "nfs", "nfs4", "wekafs", "beegfs", "gpfs"})
+PROBE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class DeviceBuffer:
+    """A page payload in device memory for the disk tier's GDS path: ``padded(payload_bytes)``
+    bytes at ``ptr`` (cuFile moves whole 4 KiB units; the tail past the payload is padding)."""
+
+    ptr: int
+
+
+def fs_type(path: str | os.PathLike[str]) -> str:
+    """The type of the file system holding ``path`` (``/proc/self/mounts``: the longest mount
+    point above it), or ``"unknown"``."""
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = fields[1].replace("\\040", " ")
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def nvidia_fs_loaded() -> bool:
+    """Whether the nvidia-fs kernel driver is there (without it cuFile runs in compatibility mode)."""
+    return os.path.exists("/proc/driver/nvidia-fs/stats")
+
+
+def _cufile():
+    from cuda.bindings import cufile  # (cuda-python: pip install 'lmkv[gpu]')
+
+    return cufile
+
+
+def probe(directory: str | os.PathLike[str], device: int = 0) -> str | None:
+    """``None`` when cuFile can read and write page files under ``directory`` from CUDA device
+    ``device``; otherwise why not, in words."""
+    kind = fs_type(directory)
+    if kind not in GDS_FILESYSTEMS:
+        return f"{directory} is on {kind}, which cuFile does not read (it reads {', '.join(sorted(GDS_FILESYSTEMS))})"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+    except ImportError:
+        return "torch is not installed"
+    try:
+        cufile = _cufile()
+        cufile.get_version()
+    except ImportError:
+        return "cuda-python's cuFile bindings are not installed (pip install 'lmkv[gpu]')"
+    except Exception as err:  # the library itself is missing or broken
+        return f"libcufile is not usable ({type(err).__name__}: {err})"
+    try:
+        io = CuFile.shared(device)
+        _probe_file(io, Path(directory))
+    except Exception as err:  # cuFile refusing the file, the driver, the buffer: all mean "not here"
+        return f"cuFile refused a file under {directory} ({type(err).__name__}: {err})"
+    return None
+
+
+def _probe_file(io: CuFile, directory: Path) -> None:
+    import torch
+
+    buf = torch.arange(PROBE_BYTES, dtype=torch.int32, device=f"cuda:{io.device}").to(torch.uint8)
+    back = torch.zeros_like(buf)
+    path = directory / f".gds-probe-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
+    try:
+        io.write(fd, buf.data_ptr(), PROBE_BYTES, 0)
+        io.read(fd, back.data_ptr(), PROBE_BYTES, 0)
+        torch.cuda.synchronize(io.device)
+        if not torch.equal(buf, back):
+            raise OSError("read back different bytes")
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+class CuFile:
+    """cuFile on one CUDA device: the driver opened once per process and device, file handles
+    registered around each page's I/O (a page is a file), staging buffers registered once."""
+
+    _shared: dict[int, CuFile] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, device: int) -> None:
+        import torch
+
+        self.device = device
+        torch.cuda.init()
+        with torch.cuda.device(device):
+            torch.empty(1, device=f"cuda:{device}")  # a current context for libcufile
+            self._cufile = _cufile()
+            self._cufile.driver_open()
+        self.compat_mode = not nvidia_fs_loaded()
+        self._buffers: set[int] = set()
+        self._threads = threading.local()
+
+    def _in_context(self) -> None:
+        """Make the device's context current in this thread (the disk tier's I/O threads call in)."""
+        if getattr(self._threads, "device", None) != self.device:
+            import torch
+
+            torch.cuda.set_device(self.device)
+            self._threads.device = self.device
+
+    @classmethod
+    def shared(cls, device: int = 0) -> CuFile:
+        with cls._lock:
+            io = cls._shared.get(device)
+            if io is None:
+                io = cls._shared[device] = cls(device)
+            return io
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Register a device buffer that page I/O will reuse (cuFile pins it once, not per read)."""
+        if ptr not in self._buffers:
+            self._cufile.buf_register(ptr, nbytes, 0)
+            self._buffers.add(ptr)
+
+    def deregister(self, ptr: int) -> None:
+        if ptr in self._buffers:
+            self._buffers.discard(ptr)
+            self._cufile.buf_deregister(ptr)
+
+    @contextlib.contextmanager
+    def _handle(self, fd: int) -> Iterator[int]:
+        descr = self._cufile.Descr()
+        descr.type = self._cufile.FileHandleType.OPAQUE_FD
+        descr.handle.fd = fd
+        descr.fs_ops = 0
+        handle = self._cufile.handle_register(descr.ptr)
+        try:
+            yield handle
+        finally:
+            self._cufile.handle_deregister(handle)
+
+    def read(self, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int = 0) -> None:
+        """``nbytes`` of the file at ``file_offset`` into device memory at ``ptr + buf_offset``;
+        a short read or a cuFile error raises OSError (the page is then a miss)."""
+        got = self._io("read", fd, ptr, nbytes, file_offset, buf_offset)
+        if got != nbytes:
+            raise OSError(f"cuFileRead: {got} of {nbytes} bytes")
+
+    def write(self, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int = 0) -> None:
+        """``nbytes`` from device memory at ``ptr + buf_offset`` into the file at ``file_offset``;
+        a short write or a cuFile error raises OSError (the page is not stored)."""
+        put = self._io("write", fd, ptr, nbytes, file_offset, buf_offset)
+        if put != nbytes:
+            raise OSError(f"cuFileWrite: {put} of {nbytes} bytes")
+
+    def _io(self, op: str, fd: int, *args: int) -> int:
+        self._in_context()
+        try:
+            with self._handle(fd) as h:
+                return int(getattr(self._cufile, op)(h, *args))
+        except OSError:
+            raise
+        except Exception as err:  # cuda-python's cuFileError, a CUDA error: the tier's I/O failed
+            raise OSError(f"cuFile {op}: {type(err).__name__}: {err}") from err
+
+
+@cache
+def _fallback_warning(directory: str, reason: str) -> None:
+    log.warning("lmkv: disk tier %s: GPUDirect Storage not used (%s); reading and writing with POSIX I/O",
+                directory, reason)
+
+
+def choose(directory: str | os.PathLike[str], required: bool, device: int = 0) -> CuFile | None:
+    """cuFile for the disk tier under ``directory``, or ``None`` (POSIX I/O; logged once). ``required``
+    (``disk.io: gds``): a reason not to use it is an error, raised as ValueError."""
+    reason = probe(directory, device)
+    if reason is None:
+        io = CuFile.shared(device)
+        log.info("lmkv: disk tier %s: GPUDirect Storage on cuda:%d%s", directory, device,
+                 " (cuFile compatibility mode: no nvidia-fs driver)" if io.compat_mode else "")
+        return io
+    if required:
+        raise ValueError(f"disk.io = 'gds': {reason}")
+    _fallback_warning(str(directory), reason)
+    return None
