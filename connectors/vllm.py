@@ -33,8 +33,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from lmkv.config import load_config
+from lmkv.config import ConfigError, LMKVConfig, load_config
 from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
+from lmkv.connectors.vllm_plugin import tell_parent
 from lmkv.connectors.vllm_pool import VllmFreeQueue
 from lmkv.engine.events import EventLog, PageEvent
 from lmkv.engine.plan import StepPlan
@@ -137,6 +138,16 @@ def _salt(request: Request) -> str:
     return "\0".join(parts)
 
 
+def _config(extra: dict[str, Any]) -> LMKVConfig:
+    """lmkv's configuration from vLLM's ``kv_connector_extra_config``; a bad one raises, and its
+    reason also goes to the process that started this engine (:func:`vllm_plugin.tell_parent`)."""
+    try:
+        return load_config(extra)
+    except ConfigError as err:
+        tell_parent(str(err))
+        raise
+
+
 def _spans(request: Request) -> list[Span]:
     return [
         Span(f.mm_position.offset, f.mm_position.length, f.identifier.encode())
@@ -148,7 +159,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.cfg = load_config(extra)
+        self.cfg = _config(extra)
         model = vllm_config.model_config
         self.model_id = self.cfg.model_id or f"{model.model}@{model.revision or ''}"
         tp_size, tp_rank = _tp(vllm_config, role)
@@ -472,7 +483,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         profiles memory and builds the KV cache: on the CPU engine the first hook that hands a
         connector its configuration, so a bad lmkv setting stops the engine here."""
         if vllm_config.kv_transfer_config is not None:
-            load_config(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
+            _config(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
         return None
 
     @classmethod
@@ -480,7 +491,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Yes: the layer hooks wait for loads. On a GPU vLLM asks this while it builds its
         configuration, in the process the user started, before any engine process: lmkv's
         settings are checked here first, so a bad one is the error the user sees."""
-        load_config(dict(extra_config or {}))
+        _config(dict(extra_config or {}))
         return True
 
     def shutdown(self) -> None:

@@ -139,4 +139,7 @@ def test_a_bad_lmkv_setting_stops_vllm_serve_with_lmkvs_message(model, tmp_path)
     assert rc != 0
     assert "memory.capacity = 'lots'" in out and "invalid lmkv configuration" in out
     assert "Loading weights" in out and "KV cache size" not in out  # refused before the KV cache is built
+    # and said last, after vLLM's own "Engine core initialization failed. See root cause above"
+    last = out[out.index("Engine core initialization failed"):]
+    assert "lmkv: the engine did not start: invalid lmkv configuration" in last and "memory.capacity" in last
 
