@@ -16,17 +16,28 @@ replayed on vLLM's real ``KVCacheManager`` (:mod:`lmkv.offload.sim`) over the sa
 - ``policy_us_per_step``: the lazy policy's median time per step with 100k blocks and
   1k running requests.
 Per-trace figures (agents, documents, and each working-set factor) come as extra metrics.
+
+- ``mooncake.*``: a real production trace, the Mooncake FAST'25 conversation trace
+  (``traces/``, replayed by :func:`lmkv.offload.traces.mooncake`: its first 5 minutes, 1 with
+  ``--quick``; 40 ms of trace a step, outputs capped at 32 tokens), at the same three KV
+  budgets, summed over them: ``bytes_vs_oracle``, ``hit_tokens`` (beside eager's),
+  ``engine_hit_tokens`` (the engine's own prefix-cache hits beside the run without offload:
+  what offloading costs vLLM's cache), and ``bw.*`` under the same half-rate link; beside them
+  LMCache 0.5.6's eviction-aware store queue in the same runs (``lmcache_*``, when lmcache is
+  importable: :mod:`lmkv.offload.peer`). Nothing in the policy was chosen on this trace.
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
+from importlib.resources import files
 from pathlib import Path
 
 from lmkv.benchmarks.report import Report
+from lmkv.offload.peer import available
 from lmkv.offload.sim import SimConfig, distinct_blocks, simulate
-from lmkv.offload.traces import TraceRequest, generate, load, save
+from lmkv.offload.traces import TraceRequest, generate, load, mooncake, save
 
 log = logging.getLogger("lmkv.bench.offload")
 
@@ -102,9 +113,66 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
     report.add("bw.blocks_lost", sums["bw_lazy_lost"], "blocks", sums["bw_eager_lost"] or None, vs_budget)
     report.add("bw.hit_tokens", sums["bw_lazy_hits"], "tokens", sums["bw_eager_hits"] or None, vs_budget)
     report.add("bw.computed_tokens", sums["bw_lazy_computed"], "tokens", sums["bw_eager_computed"], vs_budget)
+    _mooncake(report, seconds=60 if quick else 300)
     running = 250 if quick else 1000
     big = simulate(_scale_trace(running, 2048, 48),
                    SimConfig(num_blocks=100_000, max_running=running, step_tokens=1 << 20), "lazy")
     report.add("policy_us_per_step", big.policy_us_median, "us")
     report.params["policy_scale"] = {"blocks": 100_000, "running": running, "steps": big.steps}
     return report
+
+
+def _mooncake(report: Report, seconds: float) -> None:
+    """The real trace's family of figures (see the module docstring)."""
+    trace = mooncake(str(files(__package__).joinpath("traces/mooncake_conversation.jsonl.gz")), seconds=seconds)
+    ws = distinct_blocks(trace, 32)
+    report.params["mooncake"] = {"seconds": seconds, "requests": len(trace), "distinct_blocks": ws, "step_ms": 40,
+                                 "max_output": 32}
+    keys = ("lazy_bytes", "oracle_bytes", "lazy_hits", "eager_hits", "lazy_engine", "none_engine",
+            "bw_lazy_lost", "bw_eager_lost", "bw_lazy_hits", "bw_eager_hits", "peer_bytes", "peer_hits", "peer_engine")
+    sums = dict.fromkeys(keys, 0)
+    peer = available()
+    if peer is not None:
+        report.params["lmcache_skipped"] = peer
+    for f in FACTORS:
+        cfg = SimConfig(num_blocks=max(256, int(ws / f)))
+        none, eager, lazy = (simulate(trace, cfg, p) for p in ("none", "eager", "lazy"))
+        if peer is None:
+            lmc = simulate(trace, cfg, "lmcache")
+            sums["peer_bytes"] += lmc.bytes_written
+            sums["peer_hits"] += lmc.hit_tokens
+            sums["peer_engine"] += lmc.engine_hit_tokens
+        oracle = len(none.oracle_blocks) * cfg.page_bytes
+        rate = eager.bytes_written / max(1, eager.steps)
+        bw = SimConfig(num_blocks=cfg.num_blocks, d2h_bytes_per_step=max(cfg.page_bytes, int(rate / 2)))
+        beager, blazy = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
+        tag = f"mooncake.{f:g}x"
+        report.add(f"{tag}.bytes_vs_oracle", lazy.bytes_written, "bytes", oracle or None, "offline oracle")
+        report.add(f"{tag}.hit_tokens", lazy.hit_tokens, "tokens", eager.hit_tokens or None, "eager, same trace")
+        report.add(f"{tag}.engine_hit_tokens", lazy.engine_hit_tokens, "tokens", none.engine_hit_tokens or None,
+                   "the run without offload")
+        log.info("%s: lazy %d B, eager %d B, oracle %d B; tier hits lazy %d eager %d; engine hits lazy %d none %d",
+                 tag, lazy.bytes_written, eager.bytes_written, oracle, lazy.hit_tokens, eager.hit_tokens,
+                 lazy.engine_hit_tokens, none.engine_hit_tokens)
+        for k, v in (("lazy_bytes", lazy.bytes_written), ("oracle_bytes", oracle), ("lazy_hits", lazy.hit_tokens),
+                     ("eager_hits", eager.hit_tokens), ("lazy_engine", lazy.engine_hit_tokens),
+                     ("none_engine", none.engine_hit_tokens), ("bw_lazy_lost", blazy.blocks_lost),
+                     ("bw_eager_lost", beager.blocks_lost), ("bw_lazy_hits", blazy.hit_tokens),
+                     ("bw_eager_hits", beager.hit_tokens)):
+            sums[k] += v
+    report.add("mooncake.bytes_vs_oracle", sums["lazy_bytes"], "bytes", sums["oracle_bytes"] or None,
+               "offline oracle, same runs")
+    report.add("mooncake.hit_tokens", sums["lazy_hits"], "tokens", sums["eager_hits"] or None, "eager, same runs")
+    report.add("mooncake.engine_hit_tokens", sums["lazy_engine"], "tokens", sums["none_engine"] or None,
+               "the runs without offload")
+    report.add("mooncake.bw.blocks_lost", sums["bw_lazy_lost"], "blocks", sums["bw_eager_lost"] or None,
+               "eager under the same copy budget")
+    if peer is None:
+        report.add("mooncake.lmcache_bytes_vs_oracle", sums["peer_bytes"], "bytes", sums["oracle_bytes"] or None,
+                   "offline oracle, same runs (LMCache 0.5.6's eviction-aware store queue)")
+        report.add("mooncake.lmcache_hit_tokens", sums["peer_hits"], "tokens", sums["eager_hits"] or None,
+                   "eager, same runs (LMCache 0.5.6's eviction-aware store queue)")
+        report.add("mooncake.lmcache_engine_hit_tokens", sums["peer_engine"], "tokens", sums["none_engine"] or None,
+                   "the runs without offload (LMCache 0.5.6's eviction-aware store queue)")
+    report.add("mooncake.bw.hit_tokens", sums["bw_lazy_hits"], "tokens", sums["bw_eager_hits"] or None,
+               "eager under the same copy budget")

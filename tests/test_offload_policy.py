@@ -410,3 +410,42 @@ def test_without_a_link_blocks_seldom_needed_again_are_not_copied(engine):
         else:
             assert tails <= copied and p.stats.unlikely == 0
         p.done(picks, queue)  # back in the free queue for the next policy
+
+
+def test_the_mooncake_trace_replays_with_the_prefixes_it_shares():
+    """Each 512-token block hash becomes the same tokens wherever it appears; prompts are cut to
+    their input length, arrive at timestamp // 40 ms, and produce at most 32 tokens."""
+    import gzip
+    import json
+    from importlib.resources import files
+
+    from lmkv.offload.traces import mooncake
+
+    path = str(files("lmkv.benchmarks").joinpath("traces/mooncake_conversation.jsonl.gz"))
+    with gzip.open(path, "rt") as f:
+        raw = [json.loads(line) for line in f]
+    trace = mooncake(path, seconds=20)
+    assert len(trace) == sum(1 for r in raw if r["timestamp"] < 20_000)
+    for req, r in zip(trace, raw):
+        assert len(req.prompt) == r["input_length"] and req.arrival == r["timestamp"] // 40
+        assert 1 <= len(req.output) <= 32
+    a, b = raw[0], raw[1]  # both open with hash 0, then differ
+    shared = next(i for i, (x, y) in enumerate(zip(a["hash_ids"], b["hash_ids"])) if x != y)
+    assert shared >= 1
+    assert trace[0].prompt[: 512 * shared] == trace[1].prompt[: 512 * shared]
+    assert trace[0].prompt[512 * shared : 512 * shared + 512] != trace[1].prompt[512 * shared : 512 * shared + 512]
+
+
+def test_lmcaches_policy_replays_beside_lmkvs():
+    """LMCache 0.5.6's eviction-aware queue in the same simulator: it never writes a recycled block,
+    writes no more than eager, and what it wrote serves tier hits."""
+    from lmkv.offload.peer import available
+
+    if (why := available()) is not None:
+        pytest.skip(why)
+    trace = generate("mixed", seed=2, scale=0.5)
+    cfg = SimConfig(num_blocks=max(256, distinct_blocks(trace, 32) // 2))
+    eager, peer = simulate(trace, cfg, "eager"), simulate(trace, cfg, "lmcache")
+    assert peer.stale_writes == 0
+    assert 0 < peer.bytes_written <= eager.bytes_written
+    assert peer.hit_tokens > 0

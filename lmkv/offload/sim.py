@@ -14,7 +14,9 @@ Policies (the same trace, each in its own run):
 - ``eager``: every block is queued for a copy when it is computed;
 - ``lazy``: :class:`lmkv.offload.lazy.LazyOffload` on the real free queue; the blocks it
   rescues (taken by the step's allocations) are written in that step, as a worker
-  copies them before the step's forward.
+  copies them before the step's forward;
+- ``lmcache``: LMCache 0.5.6's eviction-aware store queue, driven as its connector drives
+  it (:mod:`lmkv.offload.peer`).
 
 A copy budget per step (``d2h_bytes_per_step``) models the host link: a queued
 block evicted before its copy is *lost*. Figures per run: bytes written, tier-hit
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from lmkv.config import OffloadConfig
 from lmkv.keys import EngineBlockKey
 from lmkv.offload.lazy import CopyBudget, LazyOffload, Pick
+from lmkv.offload.peer import LMCacheStoreQueue
 from lmkv.offload.traces import TraceRequest
 
 
@@ -55,6 +58,7 @@ class SimResult:
     writes: int = 0
     rescues: int = 0  # lazy: writes of blocks the step had taken, made before its forward
     hit_tokens: int = 0
+    engine_hit_tokens: int = 0  # prompt tokens the engine's own prefix cache served
     computed_tokens: int = 0
     blocks_lost: int = 0
     wasted_writes: int = 0
@@ -119,6 +123,8 @@ class _Run:
         if cfg.d2h_bytes_per_step is not None:  # the simulated link is declared to the policy
             lazy_cfg = lazy_cfg.model_copy(update={"link_bytes_per_step": cfg.d2h_bytes_per_step})
         self.lazy = LazyOffload(lazy_cfg, cfg.page_bytes, self.tier.__contains__) if policy == "lazy" else None
+        self.peer = LMCacheStoreQueue(self.pool) if policy == "lmcache" else None
+        self.scheduled = 0  # tokens this step computes (the peer's estimate of the next step's blocks)
         self.inflight: list[Pick] = []
         self.by_id = {r.id: r for r in trace}
         self.later: dict[str, list[TraceRequest]] = {}
@@ -194,16 +200,21 @@ class _Run:
             budget -= n - hbm_tokens
             hit = tier_blocks * bs
             self.res.hit_tokens += hit
+            self.res.engine_hit_tokens += hbm_tokens
             self.res.computed_tokens += n - hbm_tokens - hit
             req.num_computed_tokens = n
             if self.lazy is not None and hashes:  # a preempted request resumed is not another use (as in the connector)
                 self.lazy.note_chain(hashes, used=req.request_id not in self.noted, cached=hbm_tokens // bs)
                 self.noted.add(req.request_id)
                 self.lazy.note_computed(hashes[hbm_tokens // bs + tier_blocks:])
+            first = hbm_tokens // bs + tier_blocks
             if self.policy == "eager":
-                first = hbm_tokens // bs + tier_blocks
                 self.pending.extend(h for h in (self.key(x) for x in req.block_hashes[first : n // bs])
                                     if h not in self.tier)
+            elif self.peer is not None:
+                ids = self.mgr.get_block_ids(req.request_id)[0]
+                self.peer.add(req.request_id, first * bs, (n // bs) * bs, list(ids[first : n // bs]))
+            self.scheduled += n - hbm_tokens
             self.sample(req, step)
             admitted.append(req)
         return admitted
@@ -240,18 +251,24 @@ class _Run:
                 victim.num_computed_tokens = 0
                 self.waiting.appendleft(victim)
                 self.res.preemptions += 1
+                if self.peer is not None:
+                    self.peer.drop(victim.request_id)
                 if victim is req:
                     break
             if req not in self.running:
                 continue
             req.num_computed_tokens += 1
             self.res.computed_tokens += 1
+            self.scheduled += 1
             if req.num_computed_tokens % bs == 0:
-                h = self.key(req.block_hashes[req.num_computed_tokens // bs - 1])
+                k = req.num_computed_tokens // bs - 1
+                h = self.key(req.block_hashes[k])
                 if self.policy == "eager" and h not in self.tier:
                     self.pending.append(h)
                 elif self.lazy is not None:
                     self.lazy.note_computed([h])
+                elif self.peer is not None:
+                    self.peer.add(req.request_id, k * bs, (k + 1) * bs, [self.mgr.get_block_ids(req.request_id)[0][k]])
             self.sample(req, step)
 
     # -- copies ----------------------------------------------------------------
@@ -279,6 +296,11 @@ class _Run:
             if self.link is not None:
                 self.link.spend(done)
             self.res.peak_pending_bytes = max(self.res.peak_pending_bytes, len(self.pending) * self.cfg.page_bytes)
+        elif self.peer is not None:
+            for h in self.peer.drain(self.allocated, self.scheduled, self.cfg.block_size):
+                if h not in self.tier:
+                    self.write(h)
+            self.allocated = 0
         elif self.lazy is not None:
             # the copies planned last step finished: check their snapshot, release their blocks
             for p in self.inflight:
@@ -317,14 +339,15 @@ class _Run:
             self.decode(step, fresh)
             self.copies()
             self.handed_out.clear()
+            self.scheduled = 0
             step += 1
         self.res.steps = step
         return self.res
 
 
 def simulate(trace: list[TraceRequest], cfg: SimConfig, policy: str) -> SimResult:
-    """Replay ``trace`` under ``policy`` (``none``, ``eager`` or ``lazy``)."""
-    if policy not in ("none", "eager", "lazy"):
+    """Replay ``trace`` under ``policy`` (``none``, ``eager``, ``lazy`` or ``lmcache``)."""
+    if policy not in ("none", "eager", "lazy", "lmcache"):
         raise ValueError(f"unknown policy {policy!r}")
     return _Run(trace, cfg, policy).run()
 

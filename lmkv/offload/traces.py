@@ -12,12 +12,20 @@ Generators:
 - ``documents``: long documents, each asked several questions over time;
 - ``stream``: one-shot prompts that are never seen again;
 - ``mixed``: all three interleaved.
+
+Real traffic: :func:`mooncake` replays the Mooncake FAST'25 conversation trace (one JSON
+object a line: arrival in ms, input and output lengths, and the hashes of the prompt's
+512-token blocks, equal hashes for equal prefixes), turning each block hash into the same
+512 token ids wherever it appears, so the prompts share exactly the prefixes the trace says.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -117,3 +125,32 @@ def generate(kind: str, seed: int = 0, scale: float = 1.0) -> list[TraceRequest]
     else:
         raise ValueError(f"unknown trace kind {kind!r} (agents, documents, stream, mixed)")
     return sorted(out, key=lambda r: (r.arrival, r.id))
+
+
+def _block_tokens(h: int, n: int) -> list[int]:
+    """The token ids of a trace's block hash ``h`` (the same ids wherever ``h`` appears)."""
+    return [(h * 0x9E3779B1 + j * 0x85EBCA77) % (1 << 31) for j in range(n)]
+
+
+def mooncake(path: str | Path, seconds: float = 300.0, step_ms: float = 40.0, max_output: int = 32,
+             block_tokens: int = 512) -> list[TraceRequest]:
+    """The requests of a Mooncake-format trace that arrive in its first ``seconds``, arriving at
+    step ``timestamp // step_ms``; outputs capped at ``max_output`` tokens (their ids are this
+    request's own: the trace says nothing of what outputs share). ``path`` may be gzipped."""
+    out = []
+    blocks: dict[int, list[int]] = {}
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
+        for i, line in enumerate(f):
+            r = json.loads(line)
+            if r["timestamp"] >= seconds * 1000:
+                break
+            prompt: list[int] = []
+            for h in r["hash_ids"]:
+                if h not in blocks:
+                    blocks[h] = _block_tokens(h, block_tokens)
+                prompt += blocks[h]
+            prompt = prompt[: r["input_length"]]
+            n_out = max(1, min(max_output, int(r["output_length"])))
+            output = [(1 << 31) + (i * 131 + j) % 30000 for j in range(n_out)]
+            out.append(TraceRequest(f"mc{i}", int(r["timestamp"] // step_ms), f"mc{i}", prompt, output))
+    return out
