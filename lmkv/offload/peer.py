@@ -14,6 +14,7 @@ Only the policy is LMCache's; the bookkeeping is this module's.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 
@@ -44,11 +45,13 @@ class LMCacheStoreQueue:
     """``EvictionAwareStoreQueue`` with its default configuration over vLLM's block pool."""
 
     def __init__(self, pool) -> None:
+        from lmcache.integration.vllm.lazy_offload_policy import eviction_aware
         from lmcache.integration.vllm.lazy_offload_policy.eviction_aware import (
             EvictionAwarePolicyConfig,
             EvictionAwareStoreQueue,
         )
 
+        eviction_aware.logger.setLevel(logging.WARNING)  # (its ledger, every 5 s: the figures are ours to print)
         self._pool = pool
         self._policy = EvictionAwareStoreQueue(EvictionAwarePolicyConfig(), pool)
 
