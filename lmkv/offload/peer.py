@@ -14,6 +14,8 @@ Only the policy is LMCache's; the bookkeeping is this module's.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -33,11 +35,14 @@ class _Meta:
 
 
 def available() -> str | None:
-    """``None`` if LMCache's policy imports, else why not."""
-    try:
-        import lmcache.integration.vllm.lazy_offload_policy.eviction_aware  # noqa: F401
-    except Exception as err:  # not installed, or it does not import here
-        return f"lmcache is not importable ({type(err).__name__}: {err}); pip install --no-deps lmcache==0.5.6"
+    """``None`` if LMCache 0.5.6's policy is installed, else why not. It is looked up, not imported:
+    lmcache imports numba, whose objects break vLLM's kernel dispatcher in any engine started later
+    in the same process (the simulator starts none)."""
+    if importlib.util.find_spec("lmcache") is None:
+        return "lmcache is not installed (pip install --no-deps lmcache==0.5.6)"
+    got = importlib.metadata.version("lmcache")
+    if got != "0.5.6":
+        return f"lmcache {got} is installed; the policy driven here is 0.5.6's"
     return None
 
 
