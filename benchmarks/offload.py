@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
 from lmkv.benchmarks.report import Report
 from lmkv.offload.peer import available
-from lmkv.offload.sim import SimConfig, distinct_blocks, simulate
+from lmkv.offload.sim import SimConfig, SimResult, distinct_blocks, simulate
 from lmkv.offload.traces import TraceRequest, generate, load, mooncake, save
 
 log = logging.getLogger("lmkv.bench.offload")
@@ -47,6 +48,30 @@ FACTORS = (1.25, 2.0, 3.0)
 def _scale_trace(running: int, prompt: int, out: int) -> list[TraceRequest]:
     return [TraceRequest(f"r{i}", 0, f"r{i}", [(i * 7919 + j * 31) % 30000 + 3 for j in range(prompt)],
                          [(i + j) % 30000 + 3 for j in range(out)]) for i in range(running)]
+
+
+@dataclass
+class _Runs:
+    """One trace at one KV budget: each policy's run, the oracle's bytes, and the runs under a
+    copy link at half of eager's mean write rate."""
+
+    none: SimResult
+    eager: SimResult
+    lazy: SimResult
+    oracle: int
+    bw_eager: SimResult
+    bw_lazy: SimResult
+    lmcache: SimResult | None
+
+
+def _budget(trace: list[TraceRequest], ws: int, factor: float, peer: bool = False) -> _Runs:
+    """The runs at a KV budget of ``ws / factor`` blocks (``peer``: LMCache's policy too)."""
+    cfg = SimConfig(num_blocks=max(256, int(ws / factor)))
+    none, eager, lazy = (simulate(trace, cfg, p) for p in ("none", "eager", "lazy"))
+    rate = eager.bytes_written / max(1, eager.steps)
+    bw = SimConfig(num_blocks=cfg.num_blocks, d2h_bytes_per_step=max(cfg.page_bytes, int(rate / 2)))
+    return _Runs(none, eager, lazy, len(none.oracle_blocks) * cfg.page_bytes, simulate(trace, bw, "eager"),
+                 simulate(trace, bw, "lazy"), simulate(trace, cfg, "lmcache") if peer else None)
 
 
 def run(quick: bool = False, directory: str | None = None) -> Report:
@@ -64,9 +89,8 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
             trace = load(str(path))
             ws = distinct_blocks(trace, 32)
             for f in FACTORS:
-                cfg = SimConfig(num_blocks=max(256, int(ws / f)))
-                none, eager, lazy = (simulate(trace, cfg, p) for p in ("none", "eager", "lazy"))
-                oracle = len(none.oracle_blocks) * cfg.page_bytes
+                r = _budget(trace, ws, f)
+                eager, lazy, beager, blazy, oracle = r.eager, r.lazy, r.bw_eager, r.bw_lazy, r.oracle
                 tag = f"{kind}.{f:g}x"
                 same = "eager, same trace"
                 report.add(f"{tag}.bytes_written", lazy.bytes_written, "bytes", eager.bytes_written, same)
@@ -75,10 +99,6 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
                 report.add(f"{tag}.computed_tokens", lazy.computed_tokens, "tokens", eager.computed_tokens,
                            "eager, same trace (prefill and decode the engine computed)")
                 report.add(f"{tag}.wasted_writes", lazy.wasted_writes, "blocks", eager.wasted_writes, same)
-                # a copy budget at half of eager's mean write rate
-                rate = eager.bytes_written / max(1, eager.steps)
-                bw = SimConfig(num_blocks=cfg.num_blocks, d2h_bytes_per_step=max(cfg.page_bytes, int(rate / 2)))
-                beager, blazy = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
                 report.add(f"{tag}.bw.blocks_lost", blazy.blocks_lost, "blocks", beager.blocks_lost or None, "eager")
                 report.add(f"{tag}.bw.hit_tokens", blazy.hit_tokens, "tokens", beager.hit_tokens or None, "eager")
                 report.add(f"{tag}.bw.computed_tokens", blazy.computed_tokens, "tokens", beager.computed_tokens,
@@ -135,17 +155,12 @@ def _mooncake(report: Report, seconds: float) -> None:
     if peer is not None:
         report.params["lmcache_skipped"] = peer
     for f in FACTORS:
-        cfg = SimConfig(num_blocks=max(256, int(ws / f)))
-        none, eager, lazy = (simulate(trace, cfg, p) for p in ("none", "eager", "lazy"))
-        if peer is None:
-            lmc = simulate(trace, cfg, "lmcache")
-            sums["peer_bytes"] += lmc.bytes_written
-            sums["peer_hits"] += lmc.hit_tokens
-            sums["peer_engine"] += lmc.engine_hit_tokens
-        oracle = len(none.oracle_blocks) * cfg.page_bytes
-        rate = eager.bytes_written / max(1, eager.steps)
-        bw = SimConfig(num_blocks=cfg.num_blocks, d2h_bytes_per_step=max(cfg.page_bytes, int(rate / 2)))
-        beager, blazy = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
+        r = _budget(trace, ws, f, peer=peer is None)
+        none, eager, lazy, beager, blazy, oracle = r.none, r.eager, r.lazy, r.bw_eager, r.bw_lazy, r.oracle
+        if r.lmcache is not None:
+            sums["peer_bytes"] += r.lmcache.bytes_written
+            sums["peer_hits"] += r.lmcache.hit_tokens
+            sums["peer_engine"] += r.lmcache.engine_hit_tokens
         tag = f"mooncake.{f:g}x"
         report.add(f"{tag}.bytes_vs_oracle", lazy.bytes_written, "bytes", oracle or None, "offline oracle")
         report.add(f"{tag}.hit_tokens", lazy.hit_tokens, "tokens", eager.hit_tokens or None, "eager, same trace")

@@ -124,8 +124,6 @@ def as_bytes_view(buf) -> memoryview:
 def make_header(key: PageKey, layout: GroupLayout, payload) -> PageHeader:
     """Compute the header of a page: one pass over the payload."""
     view = as_bytes_view(payload)
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"a key has {KEY_BYTES} bytes, got {len(key)}")
     if len(view) != layout.payload_bytes:
         raise ValueError(
             f"group {layout.name!r}: payload has {len(view)} bytes, layout says {layout.payload_bytes}"

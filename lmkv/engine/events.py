@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from lmkv.engine.residency import ResidencyDelta
@@ -118,11 +119,7 @@ class EventLog:
         """Ask ``below`` (as in :meth:`apply`; ``None``: a tier could not answer, try later) about up
         to ``limit`` pages reported on lower tiers only, the longest unchecked first; events for
         those no tier holds any more (removed) or that another tier holds now."""
-        keys: list[PageKey] = []
-        for key in self._below_only:
-            if len(keys) == limit:
-                break
-            keys.append(key)
+        keys = list(islice(self._below_only, limit))
         where = below(keys) if keys else None
         events: list[PageEvent] = []
         for key, tier in zip(keys, where or ()):

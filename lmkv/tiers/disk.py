@@ -443,12 +443,8 @@ class DiskTier(LocalTier, ReadsInPlace):
         """GDS: the header into a host buffer (parsed and checked here), the payload with cuFile
         into device memory; its digests are checked on the device by :meth:`get_device`."""
         assert self.gds is not None
-        hdr_bytes = disk_header_bytes(layout)
-        hdr = self._bounce.get(hdr_bytes)
-        if os.preadv(fd, [hdr], 0) < hdr_bytes:
-            raise ShortReadError("page header is truncated")
-        header = unpack_header(hdr, expect_key=key, layout=layout)
-        self.gds.read(fd, out.ptr, padded(layout.payload_bytes), hdr_bytes)
+        header = self._read_header(fd, key, layout)
+        self.gds.read(fd, out.ptr, padded(layout.payload_bytes), disk_header_bytes(layout))
         return header
 
     def _read_units(self, fd: int, key: PageKey, layout: GroupLayout, units: list,
@@ -462,14 +458,19 @@ class DiskTier(LocalTier, ReadsInPlace):
         verify_unit_buffers(header, layout, units)
         return header
 
-    def _read_ranges(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview,
-                     ranges: Sequence[Range]) -> PageHeader:
-        """The header, then each range into ``dst`` at its page offset; only those units are verified."""
+    def _read_header(self, fd: int, key: PageKey, layout: GroupLayout) -> PageHeader:
+        """The page's header alone (its padded block at the file's start), parsed and checked."""
         hdr_bytes = disk_header_bytes(layout)
         hdr = self._bounce.get(hdr_bytes)
         if os.preadv(fd, [hdr], 0) < hdr_bytes:
             raise ShortReadError("page header is truncated")
-        header = unpack_header(hdr, expect_key=key, layout=layout)
+        return unpack_header(hdr, expect_key=key, layout=layout)
+
+    def _read_ranges(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview,
+                     ranges: Sequence[Range]) -> PageHeader:
+        """The header, then each range into ``dst`` at its page offset; only those units are verified."""
+        hdr_bytes = disk_header_bytes(layout)
+        header = self._read_header(fd, key, layout)
         for start, end in ranges:
             if os.preadv(fd, [dst[start:end]], hdr_bytes + start) < end - start:
                 raise ShortReadError(f"range [{start}, {end}) is truncated")
@@ -477,6 +478,13 @@ class DiskTier(LocalTier, ReadsInPlace):
         return header
 
     # -- writing -----------------------------------------------------------
+
+    def _header_block(self, packed: bytes, hdr_bytes: int) -> memoryview:
+        """A packed header zero-padded to its on-disk size, in this thread's aligned bounce buffer."""
+        hdr = self._bounce.get(hdr_bytes)
+        hdr[: len(packed)] = packed
+        hdr[len(packed) :] = bytes(hdr_bytes - len(packed))
+        return hdr
 
     def _write_tmp(self, header: PageHeader, payload) -> Path:
         """Write one page to a temp file, flushed; raises OSError (temp file removed) on failure."""
@@ -488,17 +496,11 @@ class DiskTier(LocalTier, ReadsInPlace):
             packed = header.pack()
             if isinstance(payload, gds.DeviceBuffer):  # GDS: the header from here, the payload with cuFile
                 assert self.gds is not None
-                hdr = self._bounce.get(hdr_bytes)
-                hdr[: len(packed)] = packed
-                hdr[len(packed) :] = bytes(hdr_bytes - len(packed))
-                _pwritev_all(fd, [hdr])
+                _pwritev_all(fd, [self._header_block(packed, hdr_bytes)])
                 self.gds.write(fd, payload.ptr, padded(plen), hdr_bytes)
                 iov = []
             elif self.direct and _aligned(src := as_bytes_view(payload), padded(plen)):
-                hdr = self._bounce.get(hdr_bytes)
-                hdr[: len(packed)] = packed
-                hdr[len(packed) :] = bytes(hdr_bytes - len(packed))
-                iov = [hdr, src[: padded(plen)]]
+                iov = [self._header_block(packed, hdr_bytes), src[: padded(plen)]]
             else:
                 src = as_bytes_view(payload)
                 total = hdr_bytes + padded(plen)

@@ -149,7 +149,7 @@ class RedisTier(RemoteTier):
                 try:
                     self._reader_made = make_client(self.cfg, asyncio_client=False)
                 except _UNREACHABLE as err:
-                    raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+                    raise self._unreachable(err) from err
             return self._reader_made
 
     # -- running coroutines from the store's threads ------------------------------
@@ -165,7 +165,7 @@ class RedisTier(RemoteTier):
         try:
             return self._run_plain(bounded(), self.cfg.timeout + 1)
         except _UNREACHABLE as err:
-            raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+            raise self._unreachable(err) from err
         except TimeoutError as err:  # concurrent.futures timeout: the loop itself is stuck
             raise TierUnavailableError(f"{self.name}: no answer in {self.cfg.timeout} s") from err
 
@@ -205,6 +205,9 @@ class RedisTier(RemoteTier):
         """The cluster node (``host:port``) serving ``key``'s page now; ``None`` on one node."""
         return self.nodes.node_of(self._names(key)[0]) if self.nodes is not None else None
 
+    def _unreachable(self, err: BaseException) -> TierUnavailableError:
+        return TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}")
+
     def _names(self, key: PageKey) -> tuple[bytes, bytes]:
         tag = f"{self._prefix}{{{key_hex(key)}}}"
         return (tag + ":h").encode(), (tag + ":p").encode()
@@ -216,7 +219,7 @@ class RedisTier(RemoteTier):
             try:
                 self._reader().ping(target_nodes=scluster.RedisCluster.RANDOM)
             except _UNREACHABLE as err:
-                raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+                raise self._unreachable(err) from err
             return
         self._run(self._client.ping())
 
@@ -255,19 +258,16 @@ class RedisTier(RemoteTier):
             try:
                 return [self._read_one(reader, k, layout, o, ranges) for k, o in zip(keys, outs)]
             except _UNREACHABLE as err:
-                raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
-        got: list = []
-        for k, o in zip(keys, outs):  # a page on a down node is a miss; the others are read
-            node = self.nodes.node_of(self._names(k)[0])
-            if node is None or not self.nodes.health(node).up:
-                got.append(None)
-                continue
-            try:
-                got.append(self._read_one(reader, k, layout, o, ranges))
-            except _UNREACHABLE as err:
-                self.stats.errors += 1
-                self.nodes.failed(node, err)
-                got.append(None)
+                raise self._unreachable(err) from err
+        got: list = [None] * len(keys)  # a page on a down node is a miss; the others are read
+        for node, idx in self.nodes.group([self._names(k)[0] for k in keys]).items():
+            for i in idx:
+                try:
+                    got[i] = self._read_one(reader, keys[i], layout, outs[i], ranges)
+                except _UNREACHABLE as err:  # this node's other pages are misses too
+                    self.stats.errors += 1
+                    self.nodes.failed(node, err)
+                    break
         return got
 
     def _read_one(self, reader, key: PageKey, layout: GroupLayout, out, ranges: Sequence[Range] | None):
