@@ -108,7 +108,7 @@ def _memory(report: Report, label: str, lay: GroupLayout, n: int, rounds: int) -
     report.add(f"memory.get.{label}", get_v, "GB/s", get_b, what)
 
 
-def _raw_write(paths: list[Path], payloads: list[np.ndarray], direct: bool) -> float:
+def _raw_write(paths: list[str], payloads: list[np.ndarray], direct: bool) -> float:
     flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | (os.O_DIRECT if direct else 0)
 
     def run() -> None:
@@ -173,7 +173,7 @@ def _disk(report: Report, label: str, lay: GroupLayout, n: int, rounds: int, roo
         return once
 
     def raw_put(direct: bool):
-        return lambda: gbps(n * size, _raw_write([Path(p) for p in raw], payloads, direct))
+        return lambda: gbps(n * size, _raw_write(raw, payloads, direct))
 
     def get(tier: DiskTier, cold: bool):
         def once() -> float:
@@ -199,7 +199,7 @@ def _disk(report: Report, label: str, lay: GroupLayout, n: int, rounds: int, roo
         report.add(f"disk.put.{label}.direct", v, "GB/s", b, "raw O_DIRECT write+fsync of the same bytes")
     for tier in tiers.values():
         tier.put([(make_header(k, lay, p), p) for k, p in zip(keys, payloads)], "bench")
-    _raw_write([Path(p) for p in raw], payloads, direct=False)
+    _raw_write(raw, payloads, direct=False)
     hot = tiers["buffered"]
     hot.get(keys, lay, dsts)  # both read once: in the page cache
     _raw_read(raw, raw_dsts, direct=False)
