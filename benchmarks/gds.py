@@ -61,7 +61,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
             return report
         import torch
 
-        io = gds.CuFile.shared(torch.cuda.current_device())
+        io = gds.engine(torch.cuda.current_device())
         report.params.update(device=torch.cuda.get_device_name(), compat_mode=io.compat_mode,
                              pages=64 if quick else 256)
         for label, size in SIZES.items():

@@ -432,7 +432,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         if self.worker is not None:
-            self.worker.end()
+            self.worker.close()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Requests whose asynchronous load finished; a failed one is recomputed from scratch."""
@@ -496,7 +496,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         if self.worker is not None:
-            self.worker.end()
+            self.worker.close()
         if self._remote is not None:
             self._remote.close()
             self._remote = None

@@ -168,17 +168,24 @@ class KernelLayerBlocks:
         return made
 
     def _copy(self, runs: Sequence, start: int, to_pages: bool) -> list:
+        blocks, pages, rest = self._indices(runs)
+        self.copy_at(blocks, pages, start, to_pages)
+        return rest
+
+    def copy_at(self, blocks: torch.Tensor, pages: torch.Tensor, start: int, to_pages: bool) -> None:
+        """Queue the copy between blocks ``blocks[i]`` and the pages at addresses ``pages[i]``
+        (int64 tensors on this layer's device; pages in device memory, or pinned host memory),
+        each page's ``[start:start + nbytes]``."""
         import cupy
 
-        blocks, pages, rest = self._indices(runs)
-        if len(blocks):
-            if self._ptr is None:
-                self._ptr = torch.tensor([self.tensor.data_ptr()], dtype=torch.int64, device=self.tensor.device)
-            # the tensor's device, not the thread's current one (a store I/O thread's is device 0)
-            with cupy.cuda.Device(self.tensor.device.index):
-                block_copy(self._ptr, blocks, pages, block_stride=self.block_stride, shape=self.shape,
-                           layer_stride=0, page_offset=start, to_pages=to_pages, stream=_stream(self.tensor.device))
-        return rest
+        if not len(blocks):
+            return
+        if self._ptr is None:
+            self._ptr = torch.tensor([self.tensor.data_ptr()], dtype=torch.int64, device=self.tensor.device)
+        # the tensor's device, not the thread's current one (a store I/O thread's is device 0)
+        with cupy.cuda.Device(self.tensor.device.index):
+            block_copy(self._ptr, blocks, pages, block_stride=self.block_stride, shape=self.shape,
+                       layer_stride=0, page_offset=start, to_pages=to_pages, stream=_stream(self.tensor.device))
 
     def gather(self, runs: Sequence, start: int) -> None:
         """Queue the copy of each run's blocks into its pages' ``[start:start + nbytes]``."""

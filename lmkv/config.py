@@ -77,6 +77,10 @@ class DiskConfig(_Section):
     fsync: bool = Field(True, description="fsync a page before it becomes visible")
     policy: Literal["lru", "s3fifo"] = Field("lru", description="eviction policy")
     io_threads: int = Field(8, ge=1, le=128, description="parallel reads and writes (a device needs queue depth)")
+    gds_staging: ByteSize = Field(
+        ByteSize(64 << 20), description="with GPUDirect Storage: device memory per worker for the staging slots "
+        "pages pass through between their files and the engine's blocks (registered with cuFile once); "
+        "pages beyond it take the host path")
 
 
 class StoreConfig(_Section):

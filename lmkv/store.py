@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -37,7 +37,12 @@ from lmkv.metrics import Metrics
 from lmkv.page import PageHeader, copy_units, make_header
 from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import LocalTier, Tier, WriteSession, in_place_reader
+from lmkv.tiers.disk import DiskTier
 from lmkv.tiers.factory import open_tiers
+from lmkv.tiers.gds import DeviceBuffer
+
+if TYPE_CHECKING:
+    from lmkv.engine.device_staging import DeviceStaging
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,8 @@ T = TypeVar("T")
 
 @dataclass
 class Fetched:
-    """Host views of fetched pages and their headers (``None`` = failed); release once copied."""
+    """Views of fetched pages (host buffers; device ones with GPUDirect Storage) and their headers
+    (``None`` = failed); release once copied."""
 
     views: list
     headers: list
@@ -145,13 +151,19 @@ class TieredStore:
                 todo = [i for i in todo if results[i] is None]
             return results
 
-    def fetch(self, keys: Sequence[PageKey], layout: GroupLayout) -> Fetched:
-        """Host views of pages for an engine load, pinned until released; ``None`` where a page failed.
+    def fetch(self, keys: Sequence[PageKey], layout: GroupLayout, device: DeviceStaging | None = None) -> Fetched:
+        r"""Views of pages for an engine load, pinned until released; ``None`` where a page failed.
 
         Memory hits are lent as they are (zero copy). Pages only a lower tier has are
         read (and verified) straight into fresh memory slots, which are then published
         there: the load itself promotes them. When memory has no room, they are read
         into temporary buffers instead.
+
+        ``device``: staging slots in device memory for the disk tier's GPUDirect Storage
+        path. Pages only that disk tier holds are read into them with cuFile and verified
+        on the device (their views are then :class:`~lmkv.tiers.gds.DeviceBuffer`\ s, not
+        promoted: the file is their copy); what does not fit in the free slots is read
+        into memory as above.
         """
         with self.metrics.timed("fetch"):
             lease = self.memory.borrow(keys)
@@ -161,7 +173,12 @@ class TieredStore:
             if not missing or len(self.tiers) == 1:
                 return Fetched(views, found, [lease])
             holders = self._holders(keys, missing)  # (asked before reserving room)
+            leases: list = [lease]
+            if device is not None:
+                holders = self._read_to_device(keys, layout, holders, device, views, found, leases)
             missing = sorted(i for _, held in holders for i in held)
+            if not missing:
+                return Fetched(views, found, leases)
             at = {i: j for j, i in enumerate(missing)}
             want = [keys[i] for i in missing]
             session = None
@@ -184,7 +201,6 @@ class TieredStore:
                 got = _read(tier, tier.get, [keys[i] for i in held], layout, [bufs[at[i]] for i in held])
                 for i, h in zip(held, got or ()):
                     headers[at[i]] = h
-            leases = [lease]
             if session is not None:
                 session.commit(headers)
                 promoted = self.memory.borrow(want, count=False)
@@ -195,6 +211,27 @@ class TieredStore:
                 views[i] = b if h is not None else None
                 found[i] = h
             return Fetched(views, found, leases)
+
+    def _read_to_device(self, keys: Sequence[PageKey], layout: GroupLayout, holders: list[tuple[Tier, list[int]]],
+                        device: DeviceStaging, views: list, found: list, leases: list) -> list[tuple[Tier, list[int]]]:
+        """Read the pages a GPUDirect Storage disk tier on ``device``'s cuFile holds into free staging
+        slots (their views and headers set in place, the slots' lease added to ``leases``); the
+        holders left for the host path."""
+        rest = []
+        for tier, held in holders:
+            if not isinstance(tier, DiskTier) or tier.gds is not device.io:
+                rest.append((tier, held))
+                continue
+            slots = device.take(len(held))
+            leases.append(slots)
+            here, left = held[: len(slots.ptrs)], held[len(slots.ptrs):]
+            bufs = [DeviceBuffer(p) for p in slots.ptrs]
+            got = _read(tier, tier.get_device, [keys[i] for i in here], layout, bufs) if here else []
+            for i, buf, h in zip(here, bufs, got or [None] * len(here)):
+                views[i], found[i] = (buf if h is not None else None), h
+            if left:
+                rest.append((tier, left))
+        return rest
 
     def get_units(self, keys: Sequence[PageKey], layout: GroupLayout, units: Sequence[list]) -> list[PageHeader | None]:
         """Pages straight into an engine's memory: ``units[i][u]`` receives page i's unit u (one
@@ -359,6 +396,11 @@ class TieredStore:
         return sum(t.delete(keys) for t in self.tiers)
 
     @property
+    def gds_disk(self) -> DiskTier | None:
+        """The disk tier when it moves pages with GPUDirect Storage (``disk.io``), else None."""
+        return next((t for t in self.tiers if isinstance(t, DiskTier) and t.gds is not None), None)
+
+    @property
     def local_tiers(self) -> list[LocalTier]:
         """The tiers whose index is in this process (memory, disk): where accounts are kept."""
         return [t for t in self.tiers if isinstance(t, LocalTier)]
@@ -465,22 +507,28 @@ class StoreSession:
     def write(self, i: int, offset: int, data) -> None:
         self._inner.write(i, offset, data)
 
-    def commit(self, headers: Sequence[PageHeader | None] | None = None) -> list[bool]:
+    def commit(self, headers: Sequence[PageHeader | None] | None = None,
+               below: Mapping[str, set[PageKey]] | None = None) -> list[bool]:
         """Publish in memory now; under write-through, the copies down run on the I/O threads.
 
-        ``headers`` as in :meth:`WriteSession.commit` (pages whose header arrived with them)."""
+        ``headers`` as in :meth:`WriteSession.commit` (pages whose header arrived with them).
+        ``below``: per lower tier's name, pages the caller writes to it itself (the worker's
+        GPUDirect Storage writes from device memory); they are not copied there from memory."""
         results = self._inner.commit(headers)
         store = self._store
         if store.cfg.store.write_policy == "write_through" and len(store.tiers) > 1:
             lease = store.memory.borrow(self.keys, count=False)
-            self.written_through = store.submit(self._write_through, lease)
+            self.written_through = store.submit(self._write_through, lease, below or {})
         return results
 
-    def _write_through(self, lease) -> None:
+    def _write_through(self, lease, below: Mapping[str, set[PageKey]]) -> None:
         with lease:
             pages = [(h, v) for h, v in zip(lease.headers, lease.views) if h is not None]
             for tier in self._store.tiers[1:]:
-                self._store.write_down(tier, pages, self._domain)
+                done = below.get(tier.name, ())
+                todo = [(h, v) for h, v in pages if h.key not in done] if done else pages
+                if todo:
+                    self._store.write_down(tier, todo, self._domain)
 
     def abort(self) -> None:
         self._inner.abort()

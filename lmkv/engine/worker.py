@@ -18,6 +18,12 @@ For each step the engine adapter calls, in order:
 A page that cannot be fetched (missing, corrupt, short, tier down) marks its
 blocks as load errors; the engine recomputes exactly those tokens.
 
+GPUDirect Storage (a disk tier with ``disk.io: gds`` on the engine's GPU, layers the
+copy kernel can address): disk pages are read into device staging slots
+(:mod:`lmkv.engine.device_staging`), verified there, and scattered by the kernel; under
+write-through, stored blocks are gathered into slots after the forward and written to
+disk from device memory, the host copy going to the memory tier alone.
+
 Asynchronous loads (the request waits instead of running) are fetched and
 copied into their blocks entirely on the store's I/O threads;
 :meth:`LayerwiseTransfer.transfer_results` reports the requests whose load
@@ -39,11 +45,14 @@ import torch
 
 from lmkv.cuda import KernelLayerBlocks, kernel_layer_blocks, synchronize
 from lmkv.engine.blockcopy import BlockRun, LayerBlocks, as_bytes_array, block_runs
+from lmkv.engine.device_staging import DeviceStaging
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.errors import TierFullError
 from lmkv.keys import ChainHash, PageKey, page_key
 from lmkv.layout import GroupLayout
+from lmkv.page import padded
 from lmkv.store import Fetched, StoreSession, TieredStore
+from lmkv.tiers.gds import DeviceBuffer
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +115,15 @@ class WorkerStats:
 
 
 @dataclass
+class _Copies:
+    """Fetched pages paired with their blocks: host pages as runs, device pages (GDS staging slots)
+    as the kernel's (blocks, page addresses) index tensors."""
+
+    runs: list[BlockRun] = field(default_factory=list)
+    device: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
 class _GroupLoad:
     block_ids: list[int]
     future: Future
@@ -113,13 +131,15 @@ class _GroupLoad:
     requests: list[tuple[int, int]]  # (first index, pages) of each request's run in the lists above
     fetched: Fetched | None = None
     ok: list[bool] = field(default_factory=list)
-    runs: list[BlockRun] = field(default_factory=list)  # the pages that loaded and their blocks
+    copies: _Copies = field(default_factory=_Copies)  # the pages that loaded and their blocks
     done_layers: set[int] = field(default_factory=set)
 
 
 @dataclass
 class _GroupStore:
     runs: list[BlockRun]
+    keys: list[PageKey]  # of the pages stored layer by layer (not the rescued ones), with their blocks
+    blocks: list[int]
     done_layers: set[int] = field(default_factory=set)
 
 
@@ -148,6 +168,8 @@ class LayerwiseTransfer:
                         f"group {layout.name!r}: an engine block holds {lb.nbytes} bytes per layer, "
                         f"the page layout expects {layout.layer_stride}"
                     )
+        #: GPUDirect Storage: device staging slots on the GDS disk tier's GPU, and the groups that use them
+        self._staging, self._on_device = self._device_staging(tensors)
         self.stats = WorkerStats()
         self._loads: dict[int, _GroupLoad] = {}
         self._stores: dict[int, _GroupStore] = {}
@@ -162,6 +184,24 @@ class LayerwiseTransfer:
         self._load_keys: list[list[PageKey]] = []  # the keys of the step's loads, in the plan's order
         self._held: list = []
         self.layers_touched = False
+
+    def _device_staging(self, tensors: Sequence[Sequence[torch.Tensor]]) -> tuple[DeviceStaging | None, set[int]]:
+        """Staging slots for a GPUDirect Storage disk tier on the engine's GPU, and the groups whose
+        layers the kernel copies there (others take the host path)."""
+        disk = self.store.gds_disk
+        if disk is None or disk.gds is None:
+            return None, set()
+        groups = {g for g, (layers, ts) in enumerate(zip(self.layers, tensors))
+                  if ts and all(isinstance(lb, KernelLayerBlocks) for lb in layers)
+                  and ts[0].device.index == disk.gds.device}
+        if not groups:
+            return None, set()
+        slot = max(self.groups[g].payload_bytes for g in groups)
+        slots = max(1, self.store.cfg.disk.gds_staging // padded(slot))
+        return DeviceStaging(disk.gds, slot, slots), groups
+
+    def _device(self, g: int) -> DeviceStaging | None:
+        return self._staging if g in self._on_device else None
 
     def keys(self, op: PageOp) -> list[PageKey]:
         """This rank's page keys (a sharded group's keys carry the rank's shard)."""
@@ -211,8 +251,9 @@ class LayerwiseTransfer:
                 for layer, lb in enumerate(self.layers[g]):
                     lb.gather(runs, self.groups[g].layer_range(layer)[0])
                 self.stats.add(self.groups[g].name, rescued_pages=len(rescued))
-            later = [(b, p) for b, p, now in zip(blocks, pages, at_once) if not now]
-            self._stores[g] = _GroupStore(block_runs([b for b, _ in later], [p for _, p in later]))
+            later = [(b, p, k) for b, p, k, now in zip(blocks, pages, keys, at_once) if not now]
+            self._stores[g] = _GroupStore(block_runs([b for b, _, _ in later], [p for _, p, _ in later]),
+                                          [k for _, _, k in later], [b for b, _, _ in later])
 
     def start_loads(self) -> None:
         by_group: dict[int, tuple[list[PageKey], list[int], list[ChainHash], list[tuple[int, int]]]] = {}
@@ -224,7 +265,7 @@ class LayerwiseTransfer:
             chains.extend(op.chains)
         for g, (keys, blocks, chains, runs) in by_group.items():
             if g not in self._loads:
-                future = self.store.submit(self.store.fetch, keys, self.groups[g])
+                future = self.store.submit(self.store.fetch, keys, self.groups[g], self._device(g))
                 self._loads[g] = _GroupLoad(blocks, future, chains, runs)
         by_request: dict[str, list[PageOp]] = {}
         for op in self._plan.async_loads:
@@ -274,7 +315,7 @@ class LayerwiseTransfer:
         def fetch(k: int) -> Future:
             op, i = chunks[k]
             chunk = keys[id(op)][i : i + LOAD_CHUNK_PAGES]
-            return self._prefetch.submit(self.store.fetch, chunk, self.groups[op.group])
+            return self._prefetch.submit(self.store.fetch, chunk, self.groups[op.group], self._device(op.group))
 
         nxt = fetch(0) if chunks else None
         try:
@@ -295,11 +336,9 @@ class LayerwiseTransfer:
         """Scatter one fetched chunk of a background load into its blocks; whether all of it loaded."""
         layout = self.groups[op.group]
         with fetched:
-            good = [(b, as_bytes_array(v))
-                    for b, v in zip(op.block_ids[i : i + LOAD_CHUNK_PAGES], fetched.views) if v is not None]
-            runs = block_runs([b for b, _ in good], [p for _, p in good])
+            copies = self._copies(op.group, op.block_ids[i : i + LOAD_CHUNK_PAGES], fetched.views)
             for layer in range(layout.num_layers):
-                self.layers[op.group][layer].scatter(runs, layout.layer_range(layer)[0])
+                self._scatter_layer(op.group, layer, copies)
             self._sync()  # (before the pages are released)
             return self._landed(op, i, [v is not None for v in fetched.views])
 
@@ -363,8 +402,8 @@ class LayerwiseTransfer:
         load.fetched = fetched
         views = fetched.views
         load.ok = [v is not None for v in views]
-        pages = [as_bytes_array(v) for v in views if v is not None]
-        load.runs = block_runs([b for b, ok in zip(load.block_ids, load.ok) if ok], pages)
+        load.copies = self._copies(g, load.block_ids, views)
+        loaded = sum(load.ok)
         failed = [b for b, ok in zip(load.block_ids, load.ok) if not ok]
         self._errors.update(failed)
         # the engine recomputes each request from its first failed page on
@@ -378,16 +417,40 @@ class LayerwiseTransfer:
             self.groups[g].name,
             failed_pages=len(failed),
             recomputed_tokens=recomputed,
-            loaded_pages=len(pages),
-            loaded_bytes=len(pages) * self.groups[g].payload_bytes,
+            loaded_pages=loaded,
+            loaded_bytes=loaded * self.groups[g].payload_bytes,
         )
         return fetched
+
+    def _copies(self, g: int, block_ids: Sequence[int], views: Sequence) -> _Copies:
+        """The blocks of the pages that loaded, paired with their host or device pages."""
+        host = [(b, as_bytes_array(v)) for b, v in zip(block_ids, views)
+                if v is not None and not isinstance(v, DeviceBuffer)]
+        on_device = [(b, v.ptr) for b, v in zip(block_ids, views) if isinstance(v, DeviceBuffer)]
+        copies = _Copies(block_runs([b for b, _ in host], [p for _, p in host]))
+        if on_device:
+            copies.device = self._index(g, on_device)
+        return copies
+
+    def _index(self, g: int, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocks, device page addresses) as the kernel's int64 index tensors on group ``g``'s GPU."""
+        dev = self.layers[g][0].tensor.device
+        return (torch.tensor([b for b, _ in pairs], dtype=torch.int64, device=dev),
+                torch.tensor([p for _, p in pairs], dtype=torch.int64, device=dev))
+
+    def _scatter_layer(self, g: int, layer: int, copies: _Copies) -> None:
+        start = self.groups[g].layer_range(layer)[0]
+        lb = self.layers[g][layer]
+        lb.scatter(copies.runs, start)
+        if copies.device is not None:
+            assert isinstance(lb, KernelLayerBlocks)
+            lb.copy_at(*copies.device, start, to_pages=False)
 
     def _scatter(self, g: int, layer: int) -> None:
         load = self._ready(g)
         if load is None or layer in load.done_layers:
             return
-        self.layers[g][layer].scatter(load.runs, self.groups[g].layer_range(layer)[0])
+        self._scatter_layer(g, layer, load.copies)
         load.done_layers.add(layer)
 
     def _gather(self, g: int, layer: int) -> None:
@@ -428,12 +491,56 @@ class LayerwiseTransfer:
         self._loads = {}
         self._release_held()
         if self._session is not None:
-            results = self._session.commit()
+            below = self._store_from_device()
+            results = self._session.commit(below=below)
             for lay, ok in zip(self._session.layouts, results):
                 if ok:
                     self.stats.add(lay.name, stored_pages=1, stored_bytes=lay.payload_bytes)
             self._session = None
         self._stores = {}
+
+    def _store_from_device(self) -> dict[str, set[PageKey]]:
+        """GPUDirect Storage under write-through: the blocks this step stored (computed now) are
+        gathered into device staging slots, their headers made on the device, and written to the
+        disk tier from there on an I/O thread. The keys the disk tier gets this way, by tier name:
+        the session's own write-through skips them there."""
+        staging = self._staging
+        if staging is None or self.store.cfg.store.write_policy != "write_through":
+            return {}
+        from lmkv.cuda.digests import headers_on_device
+
+        disk = self.store.gds_disk
+        assert disk is not None
+        sent: set[PageKey] = set()
+        for g, st in self._stores.items():
+            if g not in self._on_device or not st.keys:
+                continue
+            slots = staging.take(len(st.keys))
+            n = len(slots.ptrs)
+            if not n:
+                continue
+            index = self._index(g, list(zip(st.blocks[:n], slots.ptrs)))
+            layout = self.groups[g]
+            for layer, lb in enumerate(self.layers[g]):
+                assert isinstance(lb, KernelLayerBlocks)
+                lb.copy_at(*index, layout.layer_range(layer)[0], to_pages=True)
+            self._sync()
+            try:
+                heads = headers_on_device(st.keys[:n], slots.ptrs, layout, device=staging.device)
+            except Exception:  # the host path writes them instead
+                log.exception("lmkv: digests on the device failed; writing these pages from host memory")
+                slots.release()
+                continue
+            pages = [(h, DeviceBuffer(p)) for h, p in zip(heads, slots.ptrs)]
+            self.store.submit(self._write_from_device, disk, pages, slots)
+            sent.update(st.keys[:n])
+        return {disk.name: sent} if sent else {}
+
+    def _write_from_device(self, disk, pages: list, slots) -> None:
+        try:
+            self.store.write_down(disk, pages, self.store.domain)
+        finally:
+            slots.release()
 
     @property
     def _copying(self) -> bool:
@@ -444,6 +551,16 @@ class LayerwiseTransfer:
         """Wait for the copies the CUDA kernel queued (a no-op on a CPU engine)."""
         if self._cuda:
             synchronize(self._cuda)
+
+    def close(self) -> None:
+        """Finish the step in flight and hand back what the worker holds (the GDS staging slots once
+        their writes are done, the prefetch threads)."""
+        self.end()
+        self._prefetch.shutdown(wait=True)
+        if self._staging is not None:
+            self.store.drain()
+            self._staging.close()
+            self._staging = None
 
     def take_errors(self) -> set[int]:
         out, self._errors = self._errors, set()

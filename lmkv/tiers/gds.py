@@ -17,6 +17,9 @@ needs; it comes with the CUDA Python stack a GPU machine has. (KvikIO adds a thr
 pool and its own compatibility mode on top of the same library; lmkv's disk tier
 already runs its own I/O threads.)
 
+On ROCm GPUs AMD's hipFile takes cuFile's place behind the same methods
+(:mod:`lmkv.tiers.hipfile`); :func:`engine` picks the one of this process's GPUs.
+
 :func:`probe` says whether GDS can serve a directory, and why not: no CUDA device,
 no cuFile library, a file system cuFile does not read (tmpfs, overlayfs, ...), or
 cuFile refusing a file there. ``disk.io: auto`` falls back to POSIX I/O then,
@@ -81,9 +84,44 @@ def _cufile():
     return cufile
 
 
+def _on_rocm() -> bool:
+    import torch
+
+    return bool(getattr(torch.version, "hip", None))
+
+
+def engine(device: int = 0):
+    """The GPUDirect Storage engine of this process's GPUs, shared per device: cuFile on CUDA,
+    AMD's hipFile (:class:`lmkv.tiers.hipfile.HipFile`, the same methods) on ROCm."""
+    if _on_rocm():
+        from lmkv.tiers.hipfile import HipFile
+
+        return HipFile.shared(device)
+    return CuFile.shared(device)
+
+
+def _library_missing() -> str | None:
+    """Why this GPU's GDS library cannot be used, or None."""
+    if _on_rocm():
+        from lmkv.tiers import hipfile
+
+        try:
+            hipfile.version(hipfile.load())
+        except (OSError, AttributeError) as err:
+            return f"AMD's hipFile library is not usable ({err})"
+        return None
+    try:
+        _cufile().get_version()
+    except ImportError:
+        return "cuda-python's cuFile bindings are not installed (pip install 'lmkv[gpu]')"
+    except Exception as err:  # the library itself is missing or broken
+        return f"libcufile is not usable ({type(err).__name__}: {err})"
+    return None
+
+
 def probe(directory: str | os.PathLike[str], device: int = 0) -> str | None:
-    """``None`` when cuFile can read and write page files under ``directory`` from CUDA device
-    ``device``; otherwise why not, in words."""
+    """``None`` when cuFile (hipFile on ROCm) can read and write page files under ``directory``
+    from GPU ``device``; otherwise why not, in words."""
     kind = fs_type(directory)
     if kind not in GDS_FILESYSTEMS:
         return f"{directory} is on {kind}, which cuFile does not read (it reads {', '.join(sorted(GDS_FILESYSTEMS))})"
@@ -94,22 +132,17 @@ def probe(directory: str | os.PathLike[str], device: int = 0) -> str | None:
             return "no CUDA device"
     except ImportError:
         return "torch is not installed"
+    missing = _library_missing()
+    if missing is not None:
+        return missing
     try:
-        cufile = _cufile()
-        cufile.get_version()
-    except ImportError:
-        return "cuda-python's cuFile bindings are not installed (pip install 'lmkv[gpu]')"
-    except Exception as err:  # the library itself is missing or broken
-        return f"libcufile is not usable ({type(err).__name__}: {err})"
-    try:
-        io = CuFile.shared(device)
-        _probe_file(io, Path(directory))
-    except Exception as err:  # cuFile refusing the file, the driver, the buffer: all mean "not here"
-        return f"cuFile refused a file under {directory} ({type(err).__name__}: {err})"
+        _probe_file(engine(device), Path(directory))
+    except Exception as err:  # the library refusing the file, the driver, the buffer: all mean "not here"
+        return f"GPUDirect Storage refused a file under {directory} ({type(err).__name__}: {err})"
     return None
 
 
-def _probe_file(io: CuFile, directory: Path) -> None:
+def _probe_file(io, directory: Path) -> None:
     import torch
 
     buf = torch.arange(PROBE_BYTES, dtype=torch.int32, device=f"cuda:{io.device}").to(torch.uint8)
@@ -217,14 +250,15 @@ def _fallback_warning(directory: str, reason: str) -> None:
                 directory, reason)
 
 
-def choose(directory: str | os.PathLike[str], required: bool, device: int = 0) -> CuFile | None:
-    """cuFile for the disk tier under ``directory``, or ``None`` (POSIX I/O; logged once). ``required``
-    (``disk.io: gds``): a reason not to use it is an error, raised as ValueError."""
+def choose(directory: str | os.PathLike[str], required: bool, device: int = 0):
+    """The GDS engine for the disk tier under ``directory`` (:func:`engine`), or ``None`` (POSIX I/O;
+    logged once). ``required`` (``disk.io: gds``): a reason not to use it is an error, raised as
+    ValueError."""
     reason = probe(directory, device)
     if reason is None:
-        io = CuFile.shared(device)
-        log.info("lmkv: disk tier %s: GPUDirect Storage on cuda:%d%s", directory, device,
-                 " (cuFile compatibility mode: no nvidia-fs driver)" if io.compat_mode else "")
+        io = engine(device)
+        log.info("lmkv: disk tier %s: GPUDirect Storage (%s) on cuda:%d%s", directory, type(io).__name__, device,
+                 " (compatibility mode: no nvidia-fs driver)" if io.compat_mode else "")
         return io
     if required:
         raise ValueError(f"disk.io = 'gds': {reason}")
