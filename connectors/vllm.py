@@ -76,15 +76,24 @@ class LMKVConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class LMKVWorkerMeta(KVConnectorWorkerMetadata):
-    """What the workers' memory tiers gained and lost this step (for the scheduler's mirror)."""
+    """What the workers' memory tiers gained and lost this step (for the scheduler's mirror), the
+    pages whose load failed, and what the workers measured (for the choice of load path)."""
 
     delta: ResidencyDelta = field(default_factory=ResidencyDelta)
     failed_chains: list[ChainHash] = field(default_factory=list)  # pages whose load failed: quarantine them
+    link_rates: dict[str, float] = field(default_factory=dict)  # per lower tier, its read rate (bytes/s)
+    layer_compute_s: float | None = None  # the forward's time per layer
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, LMKVWorkerMeta):
-            return LMKVWorkerMeta(self.delta.merge(other.delta), self.failed_chains + other.failed_chains)
-        return self
+        """Across ranks: the slowest rank's measures (a step waits for all of them)."""
+        if not isinstance(other, LMKVWorkerMeta):
+            return self
+        rates = dict(self.link_rates)
+        for tier, r in other.link_rates.items():
+            rates[tier] = min(r, rates.get(tier, r))
+        times = [t for t in (self.layer_compute_s, other.layer_compute_s) if t is not None]
+        return LMKVWorkerMeta(self.delta.merge(other.delta), self.failed_chains + other.failed_chains,
+                              rates, max(times) if times else None)
 
 
 @dataclass
@@ -207,6 +216,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = OffloadScheduler(
                 residency, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace,
                 load_mode=mode, quarantine_seconds=self.cfg.quarantine_seconds, offload=self.cfg.offload,
+                max_stall=self.cfg.layerwise_max_stall,
             )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # vLLM reads the policy right after building this connector: a failed lmkv load
@@ -392,14 +402,23 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side -------------------------------------------------------------
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid and self._kv_cache_manager is not None and len(self.group_ids) == 1:
+            # Blocks whose layerwise load failed hold wrong KV until their request recomputes them,
+            # and vLLM (recompute policy) keeps them in its prefix cache meanwhile: out of it, so
+            # no request that arrives before that recompute can be served them. (Requests that
+            # shared them in the failed step are rolled back by vLLM itself.)
+            self._kv_cache_manager.evict_blocks(set(invalid))
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, LMKVWorkerMeta):
             if self.mirror is not None:
                 self.mirror.apply(meta.delta)
             if self._event_log is not None and self._events is not None and meta.delta:
                 self._events.extend(self._vllm_events(self._event_log.apply(meta.delta, self._below_of)))
-            if self.scheduler is not None and meta.failed_chains:
-                self.scheduler.quarantine(meta.failed_chains)
+            if self.scheduler is not None:
+                if meta.failed_chains:
+                    self.scheduler.quarantine(meta.failed_chains)
+                self.scheduler.observe(meta.link_rates, meta.layer_compute_s)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layer_names: dict[str, tuple[int, int]] = {}
@@ -432,7 +451,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         if self.worker is not None:
-            self.worker.close()
+            self.worker.end()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Requests whose asynchronous load finished; a failed one is recomputed from scratch."""
@@ -451,7 +470,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         delta = self._residency_log.drain()
         failed = self.worker.take_failed_chains()
-        return LMKVWorkerMeta(delta, failed) if delta or failed else None
+        return LMKVWorkerMeta(delta, failed, self.worker.store.link.rates(), self.worker.layer_compute_s)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The worker's transfer counts; on the scheduler side, its own counts as ``scheduler.*``

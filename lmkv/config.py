@@ -259,11 +259,18 @@ class LMKVConfig(_Section):
     model_id: str | None = Field(None, description="model identity for keys; engines fill it in")
     load_mode: Literal["auto", "layerwise", "async"] = Field(
         "auto",
-        description="layerwise: loads run inside the step, layer by layer, a failed page recomputes "
-        "from that page on; async: the request waits while its pages load in the background and a "
-        "failed load recomputes the request; auto: layerwise unless the engine can only recover "
-        "failures per request (several cache groups in vLLM)",
+        description="layerwise: a hit loads inside the step that computes the rest of its request, "
+        "layer by layer from whichever tier holds it (a layer is waited for only when the forward "
+        "reaches it), a failed page recomputes from that page on; async: the request waits while "
+        "its pages load whole in the background, and a failed load recomputes the request; auto: "
+        "layerwise, except a hit below memory whose fetch (its bytes over the tier's measured read "
+        "rate) would take longer than layerwise_max_stall times the engine's step while other "
+        "requests run (their step would wait for it), and except models with several cache groups "
+        "(vLLM recovers their failures per request only)",
     )
+    layerwise_max_stall: float = Field(
+        2.0, ge=0, description="load_mode auto: the longest fetch, as a multiple of the engine's recent "
+        "step time, that a hit below memory may take layerwise while other requests share the step")
     quarantine_seconds: float = Field(
         30.0, ge=0, description="how long a page whose load failed is not offered again"
     )

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +41,7 @@ from lmkv.tiers.base import LocalTier, Tier, WriteSession, in_place_reader
 from lmkv.tiers.disk import DiskTier
 from lmkv.tiers.factory import open_tiers
 from lmkv.tiers.gds import DeviceBuffer
+from lmkv.tiers.link import LinkRates
 
 if TYPE_CHECKING:
     from lmkv.engine.device_staging import DeviceStaging
@@ -71,6 +73,38 @@ class Fetched:
 
 
 @dataclass
+class Landing:
+    """Where pages read from lower tiers land for an engine load: fresh memory slots, published once
+    read (the load itself promotes them), or temporary buffers where memory has no room.
+    ``headers[at[i]]``: page ``i``'s header once read, ``None`` if it failed."""
+
+    store: TieredStore
+    missing: list[int]
+    at: dict[int, int]
+    keys: list[PageKey]
+    bufs: list
+    headers: list[PageHeader | None]
+    session: WriteSession | None
+
+    def buf(self, i: int):
+        return self.bufs[self.at[i]]
+
+    def settle(self, views: list, found: list, leases: list) -> None:
+        """Publish what was read (leased again for the engine's copies: ``leases`` gains it) and
+        set each landed page's view and header in ``views`` / ``found``; failed pages are None."""
+        bufs, headers = self.bufs, self.headers
+        if self.session is not None:
+            self.session.commit(headers)
+            promoted = self.store.memory.borrow(self.keys, count=False)
+            leases.append(promoted)
+            bufs = promoted.views
+            headers = [h if h is not None and p is not None else None for h, p in zip(headers, promoted.headers)]
+        for i, b, h in zip(self.missing, bufs, headers):
+            views[i] = b if h is not None else None
+            found[i] = h
+
+
+@dataclass
 class WriteStats:
     """Copies down to lower tiers that failed, were retried from memory, or were given up."""
 
@@ -83,7 +117,7 @@ class WriteStats:
         return self.failed - self.retried - self.dropped
 
 
-def _read(tier: Tier, call: Callable[..., list[T]], *args) -> list[T] | None:
+def tier_read(tier: Tier, call: Callable[..., list[T]], *args) -> list[T] | None:
     """A call on a tier's read path; a tier that fails is counted and logged, and holds nothing for
     this read (``None``): the caller's other tiers serve, or the engine recomputes."""
     try:
@@ -105,6 +139,7 @@ class TieredStore:
         self.tiers: list[Tier] = [self.memory, *below]
         self.writes = WriteStats()
         self.metrics = Metrics(lambda: self.tiers, lambda: self.writes)
+        self.link = LinkRates()  # each lower tier's measured read rate (the layerwise path's inputs)
         self._pool = ThreadPoolExecutor(cfg.store.io_threads, thread_name_prefix="lmkv-io")
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
@@ -132,9 +167,10 @@ class TieredStore:
             for depth, tier in enumerate(self.tiers):
                 if not todo:
                     break
-                present = _read(tier, tier.contains, [keys[i] for i in todo])
+                present = tier_read(tier, tier.contains, [keys[i] for i in todo])
                 here = [i for i, p in zip(todo, present or ()) if p]
-                got = _read(tier, tier.get, [keys[i] for i in here], layout, [outs[i] for i in here]) if here else []
+                got = (tier_read(tier, tier.get, [keys[i] for i in here], layout, [outs[i] for i in here])
+                       if here else [])
                 if got is None:
                     continue
                 if here:
@@ -172,45 +208,46 @@ class TieredStore:
             missing = [i for i, v in enumerate(views) if v is None]
             if not missing or len(self.tiers) == 1:
                 return Fetched(views, found, [lease])
-            holders = self._holders(keys, missing)  # (asked before reserving room)
+            holders = self.holders(keys, missing)  # (asked before reserving room)
             leases: list = [lease]
             if device is not None:
                 holders = self._read_to_device(keys, layout, holders, device, views, found, leases)
-            missing = sorted(i for _, held in holders for i in held)
-            if not missing:
+            landing = self.landing(keys, layout, holders)
+            if landing is None:
                 return Fetched(views, found, leases)
-            at = {i: j for j, i in enumerate(missing)}
-            want = [keys[i] for i in missing]
-            session = None
-            if self.cfg.store.promote_on_hit:
-                try:
-                    owners = [""] * len(want)
-                    for tier, held in holders:
-                        for i, owner in zip(held, self._owners(tier, [keys[i] for i in held])):
-                            owners[at[i]] = owner
-                    session = self.memory.open_session(want, [layout] * len(want), self.domain, owners)
-                except TierFullError:
-                    pass
-            bufs: list[np.ndarray | None]
-            if session is not None:
-                bufs = [session.buffer(j) for j in range(len(want))]
-            else:
-                bufs = [np.empty(layout.payload_bytes, np.uint8) for _ in want]
-            headers: list[PageHeader | None] = [None] * len(want)
             for tier, held in holders:
-                got = _read(tier, tier.get, [keys[i] for i in held], layout, [bufs[at[i]] for i in held])
+                t0 = time.perf_counter()
+                got = tier_read(tier, tier.get, [keys[i] for i in held], layout, [landing.buf(i) for i in held])
+                if got is not None:
+                    self.link.fetched(tier.name, len(held) * layout.payload_bytes, time.perf_counter() - t0)
                 for i, h in zip(held, got or ()):
-                    headers[at[i]] = h
-            if session is not None:
-                session.commit(headers)
-                promoted = self.memory.borrow(want, count=False)
-                leases.append(promoted)
-                bufs = promoted.views
-                headers = [h if h is not None and p is not None else None for h, p in zip(headers, promoted.headers)]
-            for i, b, h in zip(missing, bufs, headers):
-                views[i] = b if h is not None else None
-                found[i] = h
+                    landing.headers[landing.at[i]] = h
+            landing.settle(views, found, leases)
             return Fetched(views, found, leases)
+
+    def landing(self, keys: Sequence[PageKey], layout: GroupLayout,
+                holders: list[tuple[Tier, list[int]]]) -> Landing | None:
+        """Buffers for the pages of ``keys`` that ``holders`` hold (None: there are none)."""
+        missing = sorted(i for _, held in holders for i in held)
+        if not missing:
+            return None
+        at = {i: j for j, i in enumerate(missing)}
+        want = [keys[i] for i in missing]
+        session = None
+        if self.cfg.store.promote_on_hit:
+            try:
+                owners = [""] * len(want)
+                for tier, held in holders:
+                    for i, owner in zip(held, self._owners(tier, [keys[i] for i in held])):
+                        owners[at[i]] = owner
+                session = self.memory.open_session(want, [layout] * len(want), self.domain, owners)
+            except TierFullError:
+                pass
+        if session is not None:
+            bufs = [session.buffer(j) for j in range(len(want))]
+        else:
+            bufs = [np.empty(layout.payload_bytes, np.uint8) for _ in want]
+        return Landing(self, missing, at, want, bufs, [None] * len(want), session)
 
     def _read_to_device(self, keys: Sequence[PageKey], layout: GroupLayout, holders: list[tuple[Tier, list[int]]],
                         device: DeviceStaging, views: list, found: list, leases: list) -> list[tuple[Tier, list[int]]]:
@@ -226,7 +263,7 @@ class TieredStore:
             leases.append(slots)
             here, left = held[: len(slots.ptrs)], held[len(slots.ptrs):]
             bufs = [DeviceBuffer(p) for p in slots.ptrs]
-            got = _read(tier, tier.get_device, [keys[i] for i in here], layout, bufs) if here else []
+            got = tier_read(tier, tier.get_device, [keys[i] for i in here], layout, bufs) if here else []
             for i, buf, h in zip(here, bufs, got or [None] * len(here)):
                 views[i], found[i] = (buf if h is not None else None), h
             if left:
@@ -251,12 +288,12 @@ class TieredStore:
             if not missing or len(self.tiers) == 1:
                 return results
             staged = []
-            for tier, held in self._holders(keys, missing):
+            for tier, held in self.holders(keys, missing):
                 reader = in_place_reader(tier)
                 if reader is None:
                     staged.extend(held)
                     continue
-                got = _read(tier, reader.get_units, [keys[i] for i in held], layout, [units[i] for i in held])
+                got = tier_read(tier, reader.get_units, [keys[i] for i in held], layout, [units[i] for i in held])
                 for i, header in zip(held, got or ()):
                     results[i] = header
             if staged:
@@ -274,7 +311,7 @@ class TieredStore:
             return [self.domain] * len(keys)
         return [(tier.owners(k) or [self.domain])[0] for k in keys]
 
-    def _holders(self, keys: Sequence[PageKey], todo: Sequence[int]) -> list[tuple[Tier, list[int]]]:
+    def holders(self, keys: Sequence[PageKey], todo: Sequence[int]) -> list[tuple[Tier, list[int]]]:
         """Pages ``todo`` of ``keys`` that a lower tier holds, grouped by the fastest one that does
         (each tier asked once, only about the pages the ones above it lacked)."""
         where = locate([keys[i] for i in todo], self.tiers[1:])
@@ -372,7 +409,7 @@ class TieredStore:
         if len(self.tiers) < 2:
             return
         nxt = self.tiers[1]
-        held = _read(nxt, nxt.contains, [h.key for h, _, _ in evicted]) or [False] * len(evicted)
+        held = tier_read(nxt, nxt.contains, [h.key for h, _, _ in evicted]) or [False] * len(evicted)
         for (header, view, owners), there in zip(evicted, held):
             if there:
                 continue

@@ -83,6 +83,8 @@ class SchedulerStats:
     loaded_tokens: int = 0  # tokens planned for loading (tier hits the engine took)
     stored_pages: int = 0  # pages planned for storing
     skipped_resident: int = 0  # pages not stored because a tier already had them
+    layerwise_loads: int = 0  # hits the engine took that load layer by layer inside a step
+    async_loads: int = 0  # hits the engine took that load before their request runs
 
 
 @dataclass
@@ -115,13 +117,16 @@ class OffloadScheduler:
         load_mode: str = "auto",
         quarantine_seconds: float = 30.0,
         offload: OffloadConfig | None = None,
+        max_stall: float = 2.0,
     ) -> None:
-        """``load_mode``: "layerwise", "async", or "auto" — layerwise when every page of the hit is
-        in memory, asynchronous when some must come from a lower tier (a failed layerwise load
-        leaves vLLM's prefix cache holding the failed block until its recompute; an asynchronous
-        one is only cached once it succeeded)."""
+        """``load_mode``: "layerwise", "async", or "auto" (:meth:`loads_async`)."""
         self.store = store
         self.load_mode = load_mode
+        self.max_stall = max_stall
+        #: what the workers measured: each lower tier's read rate (bytes/s), the forward's time per layer
+        self.link_rates: dict[str, float] = {}
+        self.layer_compute_s: float | None = None
+        self.running = 0  # requests the last step ran
         self.quarantine_seconds = quarantine_seconds
         self._quarantine: dict[ChainHash, float] = {}  # when each may be offered again
         self._released_next: list = []  # memory pins of the loads in the last plan
@@ -183,7 +188,7 @@ class OffloadScheduler:
             return 0
         st.seq.extend(tokens[: max_pages * self.tpp])
         hit = self._unquarantined(st.seq.chains, local, max_pages) - local
-        tiers: set[str] = set()
+        below: dict[str, int] = {}  # bytes of the hit per tier below memory
         for layout in self.groups:
             if hit == 0:
                 break
@@ -191,16 +196,41 @@ class OffloadScheduler:
                 continue  # state groups: after the pages, below
             found = self.store.lookup(st.seq.keys(layout, local, local + hit))
             hit = min(hit, found.pages)
-            tiers.update(found.tiers[:hit])
+            for tier in found.tiers[:hit]:
+                if tier != "memory":
+                    below[tier] = below.get(tier, 0) + layout.payload_bytes
         for layout in self.groups:
             if hit and layout.growth is Growth.PER_SEQUENCE:
                 # one state per stored boundary: the hit ends at the last boundary whose state is held
                 present = self.store.contains(st.seq.keys(layout, local, local + hit))
                 hit = max((i + 1 for i, p in enumerate(present) if p), default=0)
-                tiers.add("state")
-        st.async_load = self.load_mode == "async" or (self.load_mode == "auto" and not tiers <= {"memory"})
+        st.async_load = self.loads_async(below)
         self.stats.lookups += 1
         return hit * self.tpp
+
+    def loads_async(self, below: dict[str, int]) -> bool:
+        """Whether a hit with ``below`` bytes on each tier under memory waits for its load instead of
+        loading layer by layer in the step that computes the rest of its request.
+
+        ``auto``: a layerwise load makes everyone in its step wait for layers that have not
+        arrived, so it stays layerwise while its fetch (its bytes over each tier's measured read
+        rate) fits in ``max_stall`` times the engine's step, or while nothing else runs (there is
+        no one to wait: the fetch still overlaps the request's own compute, and the step it
+        would wait for as an asynchronous load is saved). A tier not measured yet counts as
+        fast: its first loads measure it. Memory hits always load layerwise."""
+        if self.load_mode != "auto":
+            return self.load_mode == "async"
+        if not below or self.running == 0 or self.layer_compute_s is None:
+            return False
+        step = self.layer_compute_s * sum(lay.num_layers for lay in self.groups)
+        fetch = sum(nbytes / rate for tier, nbytes in below.items() if (rate := self.link_rates.get(tier)))
+        return fetch > self.max_stall * step
+
+    def observe(self, link_rates: dict[str, float], layer_compute_s: float | None) -> None:
+        """The workers' latest measures (from their step reports)."""
+        self.link_rates.update(link_rates)
+        if layer_compute_s is not None:
+            self.layer_compute_s = layer_compute_s
 
     def _unquarantined(self, chains: Sequence[ChainHash], start: int, end: int) -> int:
         """The first page in ``[start, end)`` whose load failed recently (or ``end``)."""
@@ -245,6 +275,10 @@ class OffloadScheduler:
                 # so nothing evicts them in between (a failed layerwise load is costly, see above).
                 st.pins = [memory.borrow(st.seq.keys(lay, first, first + n), count=False) for lay in self.groups]
             self.stats.loaded_tokens += n * self.tpp
+            if st.async_load:
+                self.stats.async_loads += 1
+            else:
+                self.stats.layerwise_loads += 1
         st.stored_upto = max(st.stored_upto, first + n)
         st.hit_pages = first + n
 
@@ -254,6 +288,8 @@ class OffloadScheduler:
                    block_ids_of: Callable[[str], Sequence[Sequence[int]]]) -> StepPlan:
         """Loads allocated since the last step, and stores of every page this step completes."""
         plan = StepPlan()
+        scheduled = list(scheduled)
+        self.running = len(scheduled)
         for lease in self._released_next:  # the step that loaded them has run
             lease.release()
         self._released_next = []

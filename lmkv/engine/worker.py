@@ -6,10 +6,11 @@ For each step the engine adapter calls, in order:
   host pages for every page to store (nothing visible until commit); pages of
   blocks the step's requests were just given (rescued by lazy offload) are copied
   at once, before the forward writes those blocks;
-- :meth:`LayerwiseTransfer.start_loads`: fetches of the pages to load start on
-  the store's I/O threads (memory hits are lent zero-copy, lower tiers read);
+- :meth:`LayerwiseTransfer.start_loads`: fetches of the pages to load start
+  (memory hits are lent zero-copy; pages below memory are read layer by layer,
+  :mod:`lmkv.layer_fetch`, a few layers ahead of the forward);
 - :meth:`LayerwiseTransfer.before_layer` before attention layer ``l`` runs: wait
-  for the fetches, scatter only layer ``l``'s range of each page into its block;
+  for layer ``l`` alone, scatter its range of each page into its block;
 - :meth:`LayerwiseTransfer.after_layer` after layer ``l`` computed: gather layer
   ``l`` of every block to store into its page's range;
 - :meth:`LayerwiseTransfer.end` after the forward: layers whose hooks did not
@@ -36,7 +37,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +52,7 @@ from lmkv.engine.device_staging import DeviceStaging
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.errors import TierFullError
 from lmkv.keys import ChainHash, PageKey, page_key
+from lmkv.layer_fetch import LayerFetch
 from lmkv.layout import GroupLayout
 from lmkv.page import padded
 from lmkv.store import Fetched, StoreSession, TieredStore
@@ -60,6 +64,19 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005
 #: pages per fetch of a background load: the next chunk is read while this one is copied in
 LOAD_CHUNK_PAGES = 32
+#: layer requests in flight per tier in a layerwise fetch, at most (each holds a connection)
+MAX_DEPTH = 8
+#: threads sending layerwise fetches' requests (up to MAX_DEPTH for each of a few tiers)
+LAYER_THREADS = 16
+
+
+def pipeline_depth(request_s: float | None, compute_s: float | None) -> int:
+    """Layer requests a layerwise fetch keeps in flight on one tier: enough that a layer lands for
+    each layer the forward computes (a request's time over a layer's compute, plus the one landing),
+    at least 2, at most :data:`MAX_DEPTH`; 2 until both are measured."""
+    if request_s is None or not compute_s:
+        return 2
+    return max(2, min(MAX_DEPTH, math.ceil(request_s / compute_s) + 1))
 
 
 def layer_copier(layer: torch.Tensor, device_visible: Callable[[int, int], bool]) -> LayerBlocks | KernelLayerBlocks:
@@ -85,6 +102,8 @@ class TransferCounts:
     loaded_bytes: int = 0
     failed_pages: int = 0
     recomputed_tokens: int = 0  # tokens lmkv offered but the engine computes because a load failed
+    layerwise_pages: int = 0  # pages of layerwise loads read from a tier below memory, layer by layer
+    layer_wait_us: int = 0  # time the forward waited for layers of those loads
     stored_pages: int = 0
     stored_bytes: int = 0
     rescued_pages: int = 0  # stored pages copied before the forward (lazy offload: blocks the step took)
@@ -126,10 +145,11 @@ class _Copies:
 @dataclass
 class _GroupLoad:
     block_ids: list[int]
-    future: Future
+    future: Future | LayerFetch  # a whole fetch (GDS into device slots) or a layerwise one
     chains: list[ChainHash]
     requests: list[tuple[int, int]]  # (first index, pages) of each request's run in the lists above
     fetched: Fetched | None = None
+    landed: list[bool] | None = None  # the pages of the last layer scattered (``copies`` pairs them)
     ok: list[bool] = field(default_factory=list)
     copies: _Copies = field(default_factory=_Copies)  # the pages that loaded and their blocks
     done_layers: set[int] = field(default_factory=set)
@@ -180,6 +200,10 @@ class LayerwiseTransfer:
         self._async: dict[str, Future] = {}  # request -> its background load (True if every page loaded)
         # fetches of a background load's next chunk (a pool of its own: it never waits on the store's)
         self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="lmkv-prefetch")
+        self._layer_pool = ThreadPoolExecutor(LAYER_THREADS, thread_name_prefix="lmkv-layers")
+        #: the forward's time per layer (between one layer's wait and the next), a moving average
+        self.layer_compute_s: float | None = None
+        self._layer_end: float | None = None
         self._plan = StepPlan()
         self._load_keys: list[list[PageKey]] = []  # the keys of the step's loads, in the plan's order
         self._held: list = []
@@ -213,6 +237,7 @@ class LayerwiseTransfer:
     def begin(self, plan: StepPlan) -> None:
         self._abort_leftovers()
         self._plan = plan
+        self._layer_end = None
         if plan.drops:  # superseded states: gone from every tier, in the background
             self.store.submit(self.store.delete, [k for op in plan.drops for k in self.keys(op)])
         self.layers_touched = False  # whether this step ran a forward (its layer hooks)
@@ -264,9 +289,14 @@ class LayerwiseTransfer:
             blocks.extend(op.block_ids)
             chains.extend(op.chains)
         for g, (keys, blocks, chains, runs) in by_group.items():
-            if g not in self._loads:
-                future = self.store.submit(self.store.fetch, keys, self.groups[g], self._device(g))
-                self._loads[g] = _GroupLoad(blocks, future, chains, runs)
+            if g in self._loads:
+                continue
+            if self._device(g) is not None:  # GDS: whole pages into device staging slots
+                future: Future | LayerFetch = self.store.submit(self.store.fetch, keys, self.groups[g], self._device(g))
+            else:
+                future = LayerFetch(self.store, keys, self.groups[g], self._depth)
+                future.start(self._layer_pool)
+            self._loads[g] = _GroupLoad(blocks, future, chains, runs)
         by_request: dict[str, list[PageOp]] = {}
         for op in self._plan.async_loads:
             by_request.setdefault(op.req_id, []).append(op)
@@ -382,12 +412,8 @@ class LayerwiseTransfer:
             out, self._failed_chains = self._failed_chains, []
         return out
 
-    def _ready(self, g: int) -> _GroupLoad | None:
-        """Group ``g``'s layerwise load of this step with its pages fetched (None: it has none)."""
-        load = self._loads.get(g)
-        if load is not None:
-            self._fetched(g, load)
-        return load
+    def _depth(self, tier: str) -> int:
+        return pipeline_depth(self.store.link.get(tier).request_s, self.layer_compute_s)
 
     def _fetched(self, g: int, load: _GroupLoad) -> Fetched:
         """A load's fetched pages, waited for and accounted once: the blocks of pages that failed are
@@ -395,7 +421,7 @@ class LayerwiseTransfer:
         if load.fetched is not None:
             return load.fetched
         try:
-            fetched = load.future.result()
+            fetched = load.future.finish() if isinstance(load.future, LayerFetch) else load.future.result()
         except Exception:  # a failing tier must cost a recompute, never the engine
             log.exception("lmkv: fetch failed; recomputing")
             fetched = Fetched([None] * len(load.block_ids), [None] * len(load.block_ids), [])
@@ -419,6 +445,7 @@ class LayerwiseTransfer:
             recomputed_tokens=recomputed,
             loaded_pages=loaded,
             loaded_bytes=loaded * self.groups[g].payload_bytes,
+            layerwise_pages=load.future.from_below if isinstance(load.future, LayerFetch) else 0,
         )
         return fetched
 
@@ -447,9 +474,20 @@ class LayerwiseTransfer:
             lb.copy_at(*copies.device, start, to_pages=False)
 
     def _scatter(self, g: int, layer: int) -> None:
-        load = self._ready(g)
+        """Layer ``layer`` of group ``g``'s load into its blocks, once that layer has landed."""
+        load = self._loads.get(g)
         if load is None or layer in load.done_layers:
             return
+        if isinstance(load.future, LayerFetch) and load.fetched is None:
+            t0 = time.perf_counter()
+            landed = load.future.wait(layer)
+            self.stats.add(layer_wait_us=int((time.perf_counter() - t0) * 1e6))
+            if landed != load.landed:  # (the same pages layer after layer, usually: paired once)
+                load.landed = landed
+                load.copies = self._copies(g, [b for b, ok in zip(load.block_ids, landed) if ok],
+                                           [v for v, ok in zip(load.future.views, landed) if ok])
+        else:
+            self._fetched(g, load)
         self._scatter_layer(g, layer, load.copies)
         load.done_layers.add(layer)
 
@@ -462,9 +500,15 @@ class LayerwiseTransfer:
 
     def before_layer(self, name: str) -> None:
         self.layers_touched = True
+        now = time.perf_counter()
+        if self._layer_end is not None:  # the forward's time for the layer before this one
+            spent = now - self._layer_end
+            old = self.layer_compute_s
+            self.layer_compute_s = spent if old is None else 0.8 * old + 0.2 * spent
         where = self.layer_names.get(name)
         if where is not None and self._loads:
             self._scatter(*where)
+        self._layer_end = time.perf_counter()
 
     def after_layer(self, name: str) -> None:
         self.layers_touched = True
@@ -557,6 +601,7 @@ class LayerwiseTransfer:
         their writes are done, the prefetch threads)."""
         self.end()
         self._prefetch.shutdown(wait=True)
+        self._layer_pool.shutdown(wait=True)
         if self._staging is not None:
             self.store.drain()
             self._staging.close()

@@ -128,6 +128,14 @@ class Tier(ABC):
     def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         """Read byte ranges (whole units of the layout) into ``out`` at their page offsets."""
 
+    def get_ranges(self, keys: Sequence[PageKey], layout: GroupLayout, ranges: Sequence[Range],
+                   outs: Sequence) -> list[PageHeader | None]:
+        """The same byte ranges of many pages (a layer of each, in a layerwise load) into ``outs`` at
+        their page offsets, each verified unit by unit as it lands; ``None`` for a page that is
+        missing or failed. Network tiers send one request for all of them; this default reads page
+        by page."""
+        return [self.read_ranges(k, layout, ranges, o) for k, o in zip(keys, outs)]
+
     @abstractmethod
     def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
         """Store pages whose header is already made; per page, whether it is now resident."""

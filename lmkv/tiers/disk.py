@@ -652,6 +652,14 @@ class DiskTier(LocalTier, ReadsInPlace):
     def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
         return self._read(key, layout, out, list(ranges))
 
+    def get_ranges(self, keys: Sequence[PageKey], layout: GroupLayout, ranges: Sequence[Range],
+                   outs: Sequence) -> list[PageHeader | None]:
+        """Pages in parallel on the tier's I/O threads (a device needs queue depth)."""
+        want = list(ranges)
+        if len(keys) < 2:
+            return [self._read(k, layout, o, want) for k, o in zip(keys, outs)]
+        return list(self._io.map(lambda i: self._read(keys[i], layout, outs[i], want), range(len(keys))))
+
     def get_device(self, keys: Sequence[PageKey], layout: GroupLayout,
                    outs: Sequence[gds.DeviceBuffer]) -> list[PageHeader | None]:
         """GDS: each page's payload into device memory (``padded(payload_bytes)`` bytes at each

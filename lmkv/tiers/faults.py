@@ -132,18 +132,15 @@ class FaultyTier(Tier):
         return self._read_each(keys, outs, lambda k, out: self.inner.get([k], layout, [out])[0], spoil)
 
     def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
-        self._gate()
-        kind = self._fault()
-        if kind == "missing":
-            self.injected["missing"] += 1
-            return None
-        h = self.inner.read_ranges(key, layout, ranges, out)
-        if h is not None and kind is not None:
-            try:
-                self._spoil(kind, out, functools.partial(verify_units, h, layout, out, units_in_ranges(layout, ranges)))
-            except PageError:
-                return None
-        return h
+        return self.get_ranges([key], layout, ranges, [out])[0]
+
+    def get_ranges(self, keys: Sequence[PageKey], layout: GroupLayout, ranges: Sequence[Range],
+                   outs: Sequence) -> list[PageHeader | None]:
+        """Each page's ranges drawing its own fault (a layerwise load can fail at any layer)."""
+        def spoil(kind: str, h: PageHeader, out) -> None:
+            self._spoil(kind, out, functools.partial(verify_units, h, layout, out, units_in_ranges(layout, ranges)))
+
+        return self._read_each(keys, outs, lambda k, out: self.inner.get_ranges([k], layout, ranges, [out])[0], spoil)
 
     def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
         self._gate()

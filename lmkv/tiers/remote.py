@@ -238,9 +238,17 @@ class RemoteTier(Tier):
         return [self._check(k, r, layout, o, None, layout.payload_bytes) for k, r, o in zip(keys, raws, outs)]
 
     def read_ranges(self, key: PageKey, layout: GroupLayout, ranges: Sequence[Range], out) -> PageHeader | None:
+        return self.get_ranges([key], layout, ranges, [out])[0]
+
+    def get_ranges(self, keys: Sequence[PageKey], layout: GroupLayout, ranges: Sequence[Range],
+                   outs: Sequence) -> list[PageHeader | None]:
+        """One request for every page's ranges (the server's ranged GET, a Redis pipeline)."""
+        if not keys:
+            return []
         units = units_in_ranges(layout, ranges)
-        (raw,) = self._call(self._read, [key], layout, [out], list(ranges))
-        return self._check(key, raw, layout, out, units, sum(b - a for a, b in ranges))
+        raws = self._call(self._read, keys, layout, outs, list(ranges))
+        nbytes = sum(b - a for a, b in ranges)
+        return [self._check(k, r, layout, o, units, nbytes) for k, r, o in zip(keys, raws, outs)]
 
     def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
         if not pages:
