@@ -9,10 +9,17 @@ fails on prompts longer than ``max_num_batched_tokens``):
   (lmkv's memory emptied too); ExampleConnector's hit on the same prompt, also beside its
   own engine's floor;
 - cold TTFT with lmkv storing vs no connector;
+- remote hits, layer by layer (DESIGN.md mechanism 2): the same prompt's hit served by the
+  lmkv server over TCP and over TLS, by Redis, and by the disk tier with its files out of
+  the OS page cache (``disk_cold``), each in its own engine, in turns with that engine's
+  floor and with the same hit loaded whole (``load_mode: async``: the request waits for
+  its pages, then runs); lmkv's memory is emptied before every hit. ``--quick`` runs the
+  server over TCP and the cold disk only;
 - a working set larger than the KV budget: documents asked round-robin, each time with a
   new question, no connector (prefix caching on) vs lmkv vs ExampleConnector, each in a
-  fresh engine. Documents are about ``doc_tokens`` long, not all a multiple
-  of the block size, and questions run from 12 to 64 tokens, as a user's do. (On
+  fresh engine, and lmkv with a small memory over the lmkv server (``workload.remote``).
+  Documents are about ``doc_tokens`` long, not all a multiple of the block size, and
+  questions run from 12 to 64 tokens, as a user's do. (On
   block-aligned documents with one-block questions the two connectors compute exactly
   the same tokens and differ only by their few ms of copying per request, under this
   machine's 1-3% spread between passes: measured 0.95-1.03 over four sessions.)
@@ -22,16 +29,19 @@ TTFT is the wall time of a one-token generation; hit figures are medians of repe
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmkv.benchmarks.report import Report
-from lmkv.dev.local_engine import close, prepare_env
+from lmkv.dev.local_engine import close, prepare_env, scheduler_connector
 from lmkv.dev.tinymodels import LLAMA_BENCH, make_llama
 
 log = logging.getLogger("lmkv.bench.vllm")
@@ -114,14 +124,15 @@ class Variant:
         del self.llm
 
 
-def _lmkv_transfer(disk: Path, memory: str):
+def _lmkv_transfer(disk: Path | None, memory: str, **extra):
     from vllm.config import KVTransferConfig
 
+    cfg = {"memory": {"capacity": memory}, "store": {"write_policy": "write_through"}, **extra}
+    if disk is not None:
+        cfg["disk"] = {"path": str(disk)}
     return KVTransferConfig(
         kv_connector="LMKVConnector", kv_connector_module_path="lmkv.connectors.vllm", kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"memory": {"capacity": memory}, "disk": {"path": str(disk)},
-                                   "store": {"write_policy": "write_through"}},
+        kv_load_failure_policy="recompute", kv_connector_extra_config=cfg,
     )
 
 
@@ -147,6 +158,77 @@ def _drop_lmkv_memory() -> None:
     for store in live_stores().values():
         store.drain()  # the write-through copies must have landed first
         store.memory.delete(store.memory.keys())
+
+
+def _drop_page_cache(root: Path) -> None:
+    """Evict a disk tier's files from the OS page cache, so the next read goes to the device."""
+    for path in root.rglob("*.page"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _remote_tiers(root: Path, quick: bool, server_memory: str):
+    """Per remote tier the bench runs: the lmkv config of an engine whose hits it serves."""
+    from lmkv.dev.redis_server import start_redis
+    from lmkv.dev.server_process import spawn
+
+    with contextlib.ExitStack() as stack:
+        tcp = stack.enter_context(spawn("--memory", server_memory))
+        tiers: dict[str, dict] = {"server_tcp": {"remote": {"url": tcp.url, "shm": "never"}}}
+        if not quick:
+            cert, key = root / "cert.pem", root / "key.pem"
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                            "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout",
+                            str(key), "-out", str(cert)], check=True, capture_output=True)
+            tls = stack.enter_context(spawn("--memory", server_memory, env={
+                "LMKV_SERVER__TLS_CERT": str(cert), "LMKV_SERVER__TLS_KEY": str(key)}))
+            tiers["server_tls"] = {"remote": {"url": tls.url.replace("lmkv://", "lmkvs://"), "tls_ca": str(cert),
+                                              "shm": "never"}}
+            redis = stack.enter_context(start_redis())
+            tiers["redis"] = {"remote": {"url": redis.url}}
+        tiers["disk_cold"] = {"disk": {"path": str(root / "disk-cold")}}
+        yield tiers, tcp.url
+
+
+def _remote_hits(name: str, model: Path, shape: Shape, kv_bytes: int, memory: str, extra: dict,
+                 prompt: list[int], cold: Path | None) -> dict:
+    """In one engine whose hits come from one tier below memory: medians of the floor, of the hit
+    loaded by ``load_mode: auto`` (layer by layer here: nothing else runs) and of the hit loaded
+    whole (``async``), taken in turns; with their output tokens and the paths auto took."""
+    v = Variant(f"lmkv-{name}", model, shape, kv_bytes, _lmkv_transfer(None, memory, **extra))
+    try:
+        v.ttft(prompt)
+        _settle()
+        sched = scheduler_connector(v.llm).scheduler
+
+        def prepare() -> None:
+            v.llm.reset_prefix_cache()
+            _drop_lmkv_memory()
+            if cold is not None:
+                _drop_page_cache(cold)
+
+        times: dict[str, list[float]] = {"floor": [], "layerwise": [], "whole": []}
+        outs: dict[str, list[int]] = {}
+        before = (sched.stats.layerwise_loads, sched.stats.async_loads)
+        for _ in range(shape.repeats):
+            t, outs["floor"] = v.ttft(prompt)
+            times["floor"].append(t)
+            for path, mode in (("layerwise", "auto"), ("whole", "async")):
+                sched.load_mode = mode
+                prepare()
+                t, outs[path] = v.ttft(prompt)
+                times[path].append(t)
+            sched.load_mode = "auto"
+        log.info("%s: %s (ms)", name, {k: [round(x * 1e3, 1) for x in ts] for k, ts in times.items()})
+        return {"median": {k: statistics.median(ts) for k, ts in times.items()}, "outs": outs,
+                "layerwise_loads": sched.stats.layerwise_loads - before[0],
+                "async_loads": sched.stats.async_loads - before[1]}
+    finally:
+        v.close()
 
 
 def _mean_ttft(variant: Variant, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
@@ -249,6 +331,20 @@ def run(quick: bool, directory: str | None = None) -> Report:
         wl_lmkv, wl_out = v.workload(shape, vocab)
         wl_stats = v.llm.collective_rpc("lmkv_stats")[0]
         v.close()
+        log.info("remote hits: layer by layer vs whole")
+        remote: dict[str, dict] = {}
+        with _remote_tiers(root, quick, f"{2 * max(working_set, kv_per_token * shape.prompt_tokens) >> 20}MiB") \
+                as (tiers, server_url):
+            for name, extra in tiers.items():
+                cold = Path(extra["disk"]["path"]) if "disk" in extra else None
+                remote[name] = _remote_hits(name, model, shape, roomy, lmkv_memory, extra, prompt, cold)
+            log.info("working set over the KV budget: lmkv with a small memory over the lmkv server")
+            small = f"{max(64, 2 * kv_per_token * shape.doc_tokens >> 20)}MiB"
+            v = Variant("lmkv-remote", model, shape, tight,
+                        _lmkv_transfer(None, small, remote={"url": server_url, "shm": "never"}))
+            wl_remote, wl_remote_out = v.workload(shape, vocab)
+            wl_remote_stats = v.llm.collective_rpc("lmkv_stats")[0]
+            v.close()
         log.info("working set over the KV budget: ExampleConnector")
         v = Variant("example", model, shape, tight, _example_transfer(root / "example-wl"))
         wl_example = v.workload(shape, vocab)[0]
@@ -278,8 +374,26 @@ def run(quick: bool, directory: str | None = None) -> Report:
                "no-connector cold TTFT, same prompts and scheduler settings (mean of two prompts each)")
     report.add("workload.lmkv", wl_lmkv, "s", wl_none, "the same working set, no connector, prefix caching on")
     report.add("workload.lmkv_vs_example", wl_lmkv, "s", wl_example, "the same working set with ExampleConnector")
+    added, added_whole = 0.0, 0.0
+    for name, r in remote.items():
+        med = r["median"]
+        key = "ttft.disk_cold" if name == "disk_cold" else f"ttft.remote.{name}"
+        report.add(key, med["layerwise"], "s", med["floor"], floor_what)
+        report.add(f"{key}_vs_whole", med["layerwise"], "s", med["whole"],
+                   "the same hit from the same tier loaded whole (load_mode: async), taken in turns")
+        report.add(f"{key}.layerwise_loads", r["layerwise_loads"], "loads", r["layerwise_loads"] + r["async_loads"],
+                   "hits taken under load_mode auto (layerwise ones of all)")
+        if name != "disk_cold":
+            added += max(med["layerwise"] - med["floor"], 0.0)
+            added_whole += max(med["whole"] - med["floor"], 0.0)
+    report.add("ttft.remote.added_vs_whole", added, "s", max(added_whole, 1e-6),
+               "time the whole-fetch path's hits add above the floor, summed over the same remote tiers")
+    report.add("workload.remote", wl_remote, "s", wl_none,
+               "the same working set, no connector, prefix caching on (lmkv: a small memory over the lmkv server)")
+    report.add("workload.remote_loaded_pages", wl_remote_stats["transfers"]["loaded_pages"], "pages")
+    remote_identical = all(out == ref_hit for r in remote.values() for out in r["outs"].values())
     identical = (out_cold == ref_cold and out_mem == ref_hit and out_disk == ref_hit and ref_lmkv == ref_hit
-                 and wl_out == wl_ref)
+                 and wl_out == wl_ref and remote_identical and wl_remote_out == wl_ref)
     report.add("tokens_identical", float(identical), "bool")
     report.add("ttft.example_hit_tokens_identical", float(out_example == ref_hit), "bool")
     report.add("workload.lmkv_loaded_pages", wl_stats["transfers"]["loaded_pages"], "pages")

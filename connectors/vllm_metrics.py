@@ -24,6 +24,8 @@ TRANSFER_DOCS = {
     "loaded_bytes": "bytes loaded into the engine's KV cache",
     "failed_pages": "pages whose load failed (their tokens are recomputed)",
     "recomputed_tokens": "tokens lmkv offered that the engine computed because a load failed",
+    "layerwise_pages": "pages of layerwise loads read layer by layer from a tier below memory",
+    "layer_wait_us": "microseconds the forward waited for layers of those loads",
     "stored_pages": "pages copied out of the engine's KV cache",
     "stored_bytes": "bytes copied out of the engine's KV cache",
     "rescued_pages": "lazy offload: blocks copied in the step that handed them out, before its forward",
@@ -34,6 +36,8 @@ SCHEDULER_DOCS = {
     "loaded_tokens": "tokens planned for loading (hits the engine took)",
     "stored_pages": "pages planned for storing",
     "skipped_resident": "pages not stored because a tier held them already",
+    "layerwise_loads": "hits that load layer by layer inside the step computing the rest of their request",
+    "async_loads": "hits that load whole before their request runs",
 }
 
 

@@ -31,8 +31,13 @@ def test_bench_vllm_quick(tmp_path):
     for name in ("ttft.lmkv_memory", "ttft.lmkv_disk", "ttft.lmkv_memory_vs_example", "ttft.cold_with_lmkv",
                  "workload.lmkv", "workload.lmkv_vs_example"):
         assert m[name]["unit"] == "s" and m[name]["value"] > 0 and m[name]["baseline"] > 0
-    assert m["tokens_identical"]["value"] == 1
-    assert m["workload.lmkv_loaded_pages"]["value"] > 0
+    for name in ("ttft.remote.server_tcp", "ttft.disk_cold", "ttft.remote.server_tcp_vs_whole",
+                 "ttft.disk_cold_vs_whole", "ttft.remote.added_vs_whole", "workload.remote"):
+        assert m[name]["unit"] == "s" and m[name]["value"] > 0 and m[name]["baseline"] > 0
+    assert m["tokens_identical"]["value"] == 1  # every variant, every tier, both load paths
+    assert m["workload.lmkv_loaded_pages"]["value"] > 0 and m["workload.remote_loaded_pages"]["value"] > 0
+    # with nothing else running, auto loads a hit from any tier layer by layer
+    assert m["ttft.remote.server_tcp.layerwise_loads"]["ratio"] == m["ttft.disk_cold.layerwise_loads"]["ratio"] == 1
 
 
 def test_bench_faults_quick(tmp_path):

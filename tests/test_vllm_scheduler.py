@@ -77,6 +77,8 @@ class Harness:
         self.sched = Scheduler(vllm_config=self.cfg, kv_cache_config=self.kv_cache_config, log_stats=True,
                                structured_output_manager=StructuredOutputManager(self.cfg), block_size=BLOCK)
         self.connector_stats: dict[str, int] = {}
+        self.saw_wrong_kv: set[str] = set()  # requests whose context held wrong KV in the last forward
+        self.served_wrong_kv: list[str] = []  # ... and whose output of that step vLLM kept
 
     def close(self) -> None:
         self.sched.connector.shutdown()
@@ -115,10 +117,19 @@ class Harness:
                 for pos in range(start, start + n):
                     tok = req.all_token_ids[pos]
                     self.kv[name][blocks[pos // BLOCK], :, pos % BLOCK, :] = self.value(li, pos, tok)
+            for rid, n in so.num_scheduled_tokens.items():  # attention: over what the blocks hold now
+                req = self.sched.requests[rid]
+                if not self._holds(name, li, req, req.num_computed_tokens - n):
+                    self.saw_wrong_kv.add(rid)
             w.save_kv_layer(name, self.kv[name], None)
         if not so.has_sync_kv_loads:
             w.start_load_kv(None)
         w.wait_for_save()
+
+    def _holds(self, name: str, li: int, req, upto: int) -> bool:
+        (blocks,) = self.sched.kv_cache_manager.get_block_ids(req.request_id)
+        return all(bool(torch.all(self.kv[name][blocks[pos // BLOCK], :, pos % BLOCK, :]
+                                  == self.value(li, pos, req.all_token_ids[pos]))) for pos in range(upto))
 
     def step(self, sampled: int = 5):
         return self.finish_step(self.sched.schedule(), sampled)
@@ -127,6 +138,7 @@ class Harness:
         """The forward of a scheduled step and the scheduler's update from its output."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+        self.saw_wrong_kv = set()
         self.forward(so)
         results = self.worker.get_transfer_results(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
@@ -139,6 +151,7 @@ class Harness:
             kv_connector_stats=self.worker.get_kv_connector_stats(),
         )
         reqs = [self.sched.requests[r] for r in ids]
+        advanced = [r.num_computed_tokens for r in reqs]  # (vLLM rolls back a step it discards)
         # A chunk that ends inside the prompt samples nothing.
         sampled_ids = [[sampled] if r.num_computed_tokens >= r.num_tokens else [] for r in reqs]
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -148,6 +161,8 @@ class Harness:
             kv = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
             for k, v in (kv or {}).items():  # what vLLM's stats loggers get, summed over the steps
                 self.connector_stats[k] = self.connector_stats.get(k, 0) + v
+        self.served_wrong_kv += [r.request_id for r, n in zip(reqs, advanced)
+                                 if r.request_id in self.saw_wrong_kv and r.num_computed_tokens >= n]
         return so
 
     def run(self, *reqs) -> None:
@@ -256,6 +271,53 @@ def test_partial_hit_and_load_errors_are_recomputed(harness):
     h.check_kv(b, 110)
     assert h.worker.worker.stats.totals.failed_pages == 1
     assert h.worker.worker.stats.totals.recomputed_tokens == (5 - 2) * BLOCK  # from the failed page on
+
+
+def test_requests_sharing_a_block_whose_layerwise_load_failed_are_never_served_its_kv(model_config, tmp_path):
+    """"b" loads a prefix layer by layer from the disk tier while "c", in the same step, is given
+    b's blocks from vLLM's prefix cache; one page's load fails. No step whose output vLLM keeps
+    may have attended over that block's wrong KV, for b, c, or "d" arriving a step later; the
+    failed block leaves the prefix cache until it is recomputed."""
+    h = Harness(model_config, {"memory": {"capacity": "64MiB"}, "disk": {"path": str(tmp_path / "disk")},
+                               "load_mode": "layerwise"})
+    try:
+        shared = tokens(100, 7)
+        h.run(h.request("a", shared))
+        store = next(iter(live_stores().values()))
+        store.drain()
+        assert h.sched.reset_prefix_cache()
+        store.memory.clear(store.domain)  # every page of the prefix is on disk alone
+        lookup = h.sched.connector.get_num_new_matched_tokens
+
+        def lose_page_2(request, num_computed):
+            n = lookup(request, num_computed)
+            if request.request_id == "b":
+                st = h.sched.connector.scheduler.requests["b"]
+                store.tiers[1].delete(st.seq.keys(h.sched.connector.groups[0], 2, 3))
+            return n
+
+        h.sched.connector.get_num_new_matched_tokens = lose_page_2
+        b, c = h.request("b", shared[:80] + tokens(30, 8)), h.request("c", shared[:80] + tokens(30, 9))
+        h.sched.add_request(b)
+        h.sched.add_request(c)
+        so = h.step()
+        assert so.has_sync_kv_loads and [len(op.chains) for op in so.kv_connector_metadata.plan.loads] == [5]
+        assert so.num_scheduled_tokens["c"] == 110 - 80  # c got b's blocks from vLLM's own cache
+        assert h.saw_wrong_kv >= {"b", "c"}  # both attended over the failed block in that step...
+        assert h.served_wrong_kv == []  # ... and vLLM kept neither step's output
+        failed_block = h.blocks["b"][2]
+        assert h.sched.kv_cache_manager.block_pool.blocks[failed_block].block_hash is None
+        d = h.request("d", shared[:80] + tokens(30, 10))
+        h.sched.add_request(d)
+        while not all(r.is_finished() for r in (b, c, d)):
+            h.step()
+        assert h.served_wrong_kv == []
+        for r in (b, c, d):
+            h.check_kv(r, 110)
+        assert h.worker.worker.stats.totals.failed_pages == 1
+        assert h.worker.worker.stats.totals.layerwise_pages == 4  # (the lost page: no tier had it)
+    finally:
+        h.close()
 
 
 def test_fail_policy_is_turned_into_recompute(model_config):

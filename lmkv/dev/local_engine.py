@@ -23,3 +23,8 @@ def close(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+def scheduler_connector(llm):
+    """The scheduler-side connector of an in-process engine (the benchmarks switch its load path)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector

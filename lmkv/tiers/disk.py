@@ -411,7 +411,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         finally:
             os.close(fd)
         if header is not _WOULD_BLOCK:
-            self.stats.hits += 1
+            self.stats.hits += ranges is None or ranges[0][0] == 0  # a page read layer by layer is one hit
             self.stats.get_bytes += layout.payload_bytes if ranges is None else sum(t - s for s, t in ranges)
         return header
 

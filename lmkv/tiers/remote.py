@@ -227,7 +227,7 @@ class RemoteTier(Tier):
             except TierUnavailableError:
                 pass
             return None
-        self.stats.hits += 1
+        self.stats.hits += units is None or units[0] == 0  # a page read layer by layer is one hit
         self.stats.get_bytes += nbytes
         return h
 
