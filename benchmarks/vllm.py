@@ -124,12 +124,12 @@ class Variant:
         del self.llm
 
 
-def _lmkv_transfer(disk: Path | None, memory: str, **extra):
+def _lmkv_transfer(disk_dir: Path | None, memory: str, **extra):
     from vllm.config import KVTransferConfig
 
     cfg = {"memory": {"capacity": memory}, "store": {"write_policy": "write_through"}, **extra}
-    if disk is not None:
-        cfg["disk"] = {"path": str(disk)}
+    if disk_dir is not None:
+        cfg["disk"] = {"path": str(disk_dir)}
     return KVTransferConfig(
         kv_connector="LMKVConnector", kv_connector_module_path="lmkv.connectors.vllm", kv_role="kv_both",
         kv_load_failure_policy="recompute", kv_connector_extra_config=cfg,

@@ -9,6 +9,12 @@ so layer 0 arrives first and the engine's forward waits for a layer only when it
 gets there (:meth:`LayerFetch.wait`); the layers it computes meanwhile hide the
 rest of the fetch.
 
+A request may carry a *span* of consecutive layers (one contiguous range per page):
+every page of every request costs a fixed amount of work on both ends, so one layer
+per request can cost more than its overlap hides when pages are small or the step
+has little to compute. :class:`SpanChooser` picks each tier's span from what the
+forward actually waited, per byte, in recent loads at each span.
+
 Memory hits are lent at once, every layer ready. Pages read from below land in
 fresh memory slots (or temporary buffers when memory is full, as whole fetches do)
 and are published at :meth:`LayerFetch.finish` if every layer of them arrived
@@ -28,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
@@ -36,14 +43,66 @@ from lmkv.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
+#: weight of the newest sample in a span's cost; every how many loads a neighbouring span is tried again
+EMA = 0.3
+EXPLORE_EVERY = 8
+
+
+@dataclass
+class SpanChooser:
+    """Layers per request for one tier and one group's layer count: the span whose loads made the
+    forward wait least per byte lately (an EMA per span over powers of two up to all layers).
+    Spans next to the best one are tried when not measured yet and every
+    :data:`EXPLORE_EVERY` loads after, so the choice follows the tier and the steps as they
+    change. Ties go to the longer span (fewer requests, less work on both ends)."""
+
+    layers: int
+    cost: dict[int, float] = field(default_factory=dict)  # span -> seconds waited per MiB fetched
+    loads: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def spans(self) -> list[int]:
+        out, s = [], 1
+        while s < self.layers:
+            out.append(s)
+            s *= 2
+        return [*out, self.layers]
+
+    def pick(self) -> int:
+        with self._lock:
+            spans = self.spans
+            if not self.cost:
+                return self.layers  # whole pages first: the tier's throughput with the fewest requests
+            best = min(self.cost, key=lambda sp: (self.cost[sp], -sp))
+            i = spans.index(best)
+            near = [spans[j] for j in (i - 1, i + 1) if 0 <= j < len(spans)]
+            untried = [sp for sp in near if sp not in self.cost]
+            if untried:
+                return untried[0]
+            if near and self.loads % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+                return near[(self.loads // EXPLORE_EVERY) % len(near)]
+            return best
+
+    def record(self, span: int, waited_s: float, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        sample = waited_s / (nbytes / (1 << 20))
+        with self._lock:
+            self.loads += 1
+            old = self.cost.get(span)
+            self.cost[span] = sample if old is None else (1 - EMA) * old + EMA * sample
+
+
 class LayerFetch:
     """One engine load's pages, layer by layer. :meth:`start` it on an executor; :meth:`wait` for
-    a layer; :meth:`finish` once the forward is done (then release the result)."""
+    a layer; :meth:`finish` once the forward is done (then release the result). ``span(tier)``:
+    layers per request to that tier; ``depth(tier, span)``: its requests in flight."""
 
     def __init__(self, store: TieredStore, keys: Sequence[PageKey], layout: GroupLayout,
-                 depth: Callable[[str], int]) -> None:
+                 depth: Callable[[str, int], int], span: Callable[[str], int]) -> None:
         self.store, self.keys, self.layout = store, list(keys), layout
-        self._depth = depth
+        self._depth, self._span = depth, span
         n, layers = len(keys), layout.num_layers
         self.views: list = [None] * n
         self.headers: list = [None] * n
@@ -54,15 +113,16 @@ class LayerFetch:
         self._leases: list = []
         self._landing: Landing | None = None
         self.from_below = 0  # pages read from a lower tier
-        self.requests = 0  # layer requests sent
-        self._began: dict[str, float] = {}  # per tier, when its first layer request went out
-        self._failed: set[int] = set()  # pages a layer failed for: not asked for again
+        self.requests = 0  # requests sent
+        self.spans: dict[str, tuple[int, int]] = {}  # per tier: its span, and the bytes it was asked for
+        self._began: dict[str, float] = {}  # per tier, when its first request went out
+        self._failed: set[int] = set()  # pages a request failed for: not asked for again
         self._dead: set[str] = set()  # tiers whose request failed: their later layers are not asked
 
     # -- driving ----------------------------------------------------------------
 
     def start(self, pool: Executor) -> None:
-        """Queue the fetch: the lookup of who holds what, then each tier's layer requests."""
+        """Queue the fetch: the lookup of who holds what, then each tier's requests."""
         try:
             pool.submit(self._setup, pool)
         except RuntimeError:  # the executor is shutting down: every page fails, nothing waits forever
@@ -96,35 +156,42 @@ class LayerFetch:
             for ev in self._ready:
                 ev.set()
             return
+        layers = self.layout.num_layers
         for tier, held in holders:
-            depth = max(1, min(self._depth(tier.name), self.layout.num_layers))
+            span = max(1, min(self._span(tier.name), layers))
+            groups = [(a, min(layers, a + span)) for a in range(0, layers, span)]
+            depth = max(1, min(self._depth(tier.name, span), len(groups)))
+            self.spans[tier.name] = (span, len(held) * self.layout.payload_bytes)
             self._began[tier.name] = time.perf_counter()
-            for layer in range(depth):
-                self._submit(pool, tier, held, layer, depth)
+            for k in range(depth):
+                self._submit(pool, tier, held, groups, k, depth)
 
-    def _submit(self, pool: Executor, tier: Tier, held: list[int], layer: int, depth: int) -> None:
+    def _submit(self, pool: Executor, tier: Tier, held: list[int], groups: list[tuple[int, int]], k: int,
+                depth: int) -> None:
         try:
-            pool.submit(self._read_layer, pool, tier, held, layer, depth)
+            pool.submit(self._read_group, pool, tier, held, groups, k, depth)
         except RuntimeError:  # the executor is shutting down: these layers fail, nothing waits forever
-            for rest in range(layer, self.layout.num_layers, depth):
-                self._layer_done(rest)
+            for rest in groups[k::depth]:
+                self._done(rest)
 
-    def _read_layer(self, pool: Executor, tier: Tier, held: list[int], layer: int, depth: int) -> None:
+    def _read_group(self, pool: Executor, tier: Tier, held: list[int], groups: list[tuple[int, int]], k: int,
+                    depth: int) -> None:
+        first, end = groups[k]
         try:
             landing = self._landing
             assert landing is not None
-            start, end = self.layout.layer_range(layer)
+            lo, hi = self.layout.layer_range(first)[0], self.layout.layer_range(end - 1)[1]
             with self._lock:
                 ask = [] if tier.name in self._dead else [i for i in held if i not in self._failed]
             got = None
             if ask:
                 t0 = time.perf_counter()
-                got = tier_read(tier, tier.get_ranges, [self.keys[i] for i in ask], self.layout, [(start, end)],
+                got = tier_read(tier, tier.get_ranges, [self.keys[i] for i in ask], self.layout, [(lo, hi)],
                                 [landing.buf(i) for i in ask])
                 done = time.perf_counter()
                 if got is not None:
                     self.store.link.requested(tier.name, done - t0)
-                if got is not None and layer == self.layout.num_layers - 1:  # the last: the delivered rate
+                if got is not None and end == self.layout.num_layers:  # the last: the delivered rate
                     self.store.link.fetched(tier.name, len(ask) * self.layout.payload_bytes,
                                             done - self._began[tier.name])
             with self._lock:
@@ -135,21 +202,23 @@ class LayerFetch:
                     if h is None:
                         self._failed.add(i)
                         continue
-                    self._ok[layer][i] = True
+                    for layer in range(first, end):
+                        self._ok[layer][i] = True
                     if landing.headers[landing.at[i]] is None:
                         landing.headers[landing.at[i]] = h
         except Exception:  # a failing tier must cost a recompute, never the engine
-            log.exception("lmkv: layer %d of a layerwise fetch failed; recomputing its pages", layer)
+            log.exception("lmkv: layers %d-%d of a layerwise fetch failed; recomputing its pages", first, end - 1)
         finally:
-            self._layer_done(layer)
-        if layer + depth < self.layout.num_layers:
-            self._submit(pool, tier, held, layer + depth, depth)
+            self._done((first, end))
+        if k + depth < len(groups):
+            self._submit(pool, tier, held, groups, k + depth, depth)
 
-    def _layer_done(self, layer: int) -> None:
+    def _done(self, group: tuple[int, int]) -> None:
         with self._lock:
-            self._left[layer] -= 1
-            if self._left[layer] <= 0:
-                self._ready[layer].set()
+            for layer in range(*group):
+                self._left[layer] -= 1
+                if self._left[layer] <= 0:
+                    self._ready[layer].set()
 
     # -- the engine's side --------------------------------------------------------
 

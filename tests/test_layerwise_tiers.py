@@ -17,6 +17,7 @@ from lmkv.engine.scheduler import OffloadScheduler
 from lmkv.engine.worker import LayerwiseTransfer, pipeline_depth
 from lmkv.errors import TierUnavailableError
 from lmkv.keys import page_key
+from lmkv.layer_fetch import SpanChooser
 from lmkv.layout import attention_layout
 from lmkv.store import TieredStore
 
@@ -44,7 +45,7 @@ def below(request, tmp_path):
         extra = {"remote": {"url": request.getfixturevalue("server").url}}
     else:
         extra = {"remote": {"url": request.getfixturevalue("redis_node").url, "key_prefix": uuid.uuid4().hex}}
-    return {"memory": {"capacity": "16MiB"}, "namespace": uuid.uuid4().hex, **extra}
+    return {"memory": {"capacity": "16MiB"}, "namespace": uuid.uuid4().hex, "layerwise_span": 1, **extra}
 
 
 def _filled(cfg: dict) -> list[torch.Tensor]:
@@ -116,7 +117,7 @@ def test_a_load_from_a_lower_tier_arrives_layer_by_layer_one_request_per_layer(b
 
 
 def test_the_forward_waits_for_its_layer_not_for_the_whole_fetch(tmp_path):
-    cfg = {"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+    cfg = {"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "disk")}, "layerwise_span": 1}
     full = _filled(cfg)
     gate = threading.Event()
     with TieredStore(load_config(cfg, environ={})) as store:
@@ -191,3 +192,39 @@ def test_the_scheduler_chooses_layerwise_unless_the_fetch_would_stall_a_shared_s
         for mode, want in (("async", True), ("layerwise", False)):
             s.load_mode = mode
             assert s.loads_async({"redis": 4 << 20}) is want
+
+
+def test_the_span_follows_what_the_forward_waited_per_byte():
+    c = SpanChooser(8)
+    assert c.spans == [1, 2, 4, 8]
+    assert c.pick() == 8  # whole pages first
+    c.record(8, 0.010, 1 << 20)
+    assert c.pick() == 4  # then the neighbour
+    c.record(4, 0.004, 1 << 20)
+    assert c.pick() == 2
+    c.record(2, 0.006, 1 << 20)
+    assert c.pick() == 4  # its neighbours measured, the cheapest stays
+    for _ in range(20):  # it gets dear: 2 is the best now, and its other neighbour is tried
+        c.record(4, 0.050, 1 << 20)
+    assert c.pick() == 1
+    c.record(1, 0.020, 1 << 20)
+    assert c.pick() == 2
+    tie = SpanChooser(4, cost={1: 0.0, 2: 0.0, 4: 0.0})
+    assert tie.pick() == 4  # nothing waited at any span: the fewest requests
+
+
+def test_a_fetch_with_a_span_asks_each_run_of_layers_in_one_range(tmp_path):
+    cfg = {"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "disk")}, "layerwise_span": 3}
+    full = _filled(cfg)
+    with TieredStore(load_config(cfg, environ={})) as store:
+        rec = Recorder(store.tiers[1])
+        empty = [torch.zeros_like(t) for t in full]
+        w = _load(store, empty, PageOp("r", 0, CHAINS, BLOCK_IDS, list(range(4))))
+        for name in NAMES:
+            w.before_layer(name)
+        w.end()
+        assert w.take_errors() == set()
+        stride = LAYOUT.layer_stride
+        assert sorted(r[0] for _, _, r in rec.calls) == [(0, 3 * stride), (3 * stride, 4 * stride)]
+        assert all(torch.equal(empty[i][BLOCK_IDS], full[i][BLOCK_IDS]) for i in range(LAYERS))
+        w.close()

@@ -36,6 +36,7 @@ offering them for a while.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
 import threading
@@ -52,7 +53,7 @@ from lmkv.engine.device_staging import DeviceStaging
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.errors import TierFullError
 from lmkv.keys import ChainHash, PageKey, page_key
-from lmkv.layer_fetch import LayerFetch
+from lmkv.layer_fetch import LayerFetch, SpanChooser
 from lmkv.layout import GroupLayout
 from lmkv.page import padded
 from lmkv.store import Fetched, StoreSession, TieredStore
@@ -150,6 +151,7 @@ class _GroupLoad:
     requests: list[tuple[int, int]]  # (first index, pages) of each request's run in the lists above
     fetched: Fetched | None = None
     landed: list[bool] | None = None  # the pages of the last layer scattered (``copies`` pairs them)
+    waited_s: float = 0.0  # how long the forward waited for this load's layers
     ok: list[bool] = field(default_factory=list)
     copies: _Copies = field(default_factory=_Copies)  # the pages that loaded and their blocks
     done_layers: set[int] = field(default_factory=set)
@@ -204,6 +206,7 @@ class LayerwiseTransfer:
         #: the forward's time per layer (between one layer's wait and the next), a moving average
         self.layer_compute_s: float | None = None
         self._layer_end: float | None = None
+        self._spans: dict[tuple[str, int], SpanChooser] = {}  # (tier, layers) -> its layers per request
         self._plan = StepPlan()
         self._load_keys: list[list[PageKey]] = []  # the keys of the step's loads, in the plan's order
         self._held: list = []
@@ -294,7 +297,8 @@ class LayerwiseTransfer:
             if self._device(g) is not None:  # GDS: whole pages into device staging slots
                 future: Future | LayerFetch = self.store.submit(self.store.fetch, keys, self.groups[g], self._device(g))
             else:
-                future = LayerFetch(self.store, keys, self.groups[g], self._depth)
+                future = LayerFetch(self.store, keys, self.groups[g], self._depth,
+                                    functools.partial(self._span, self.groups[g].num_layers))
                 future.start(self._layer_pool)
             self._loads[g] = _GroupLoad(blocks, future, chains, runs)
         by_request: dict[str, list[PageOp]] = {}
@@ -412,8 +416,21 @@ class LayerwiseTransfer:
             out, self._failed_chains = self._failed_chains, []
         return out
 
-    def _depth(self, tier: str) -> int:
-        return pipeline_depth(self.store.link.get(tier).request_s, self.layer_compute_s)
+    def _depth(self, tier: str, span: int) -> int:
+        """Requests in flight: a request carries ``span`` layers, the forward computes as many."""
+        compute = self.layer_compute_s * span if self.layer_compute_s is not None else None
+        return pipeline_depth(self.store.link.get(tier).request_s, compute)
+
+    def _span(self, layers: int, tier: str) -> int:
+        fixed = self.store.cfg.layerwise_span
+        return fixed if fixed else self._chooser(tier, layers).pick()
+
+    def _chooser(self, tier: str, layers: int) -> SpanChooser:
+        key = (tier, layers)
+        chooser = self._spans.get(key)
+        if chooser is None:
+            chooser = self._spans[key] = SpanChooser(layers)
+        return chooser
 
     def _fetched(self, g: int, load: _GroupLoad) -> Fetched:
         """A load's fetched pages, waited for and accounted once: the blocks of pages that failed are
@@ -421,7 +438,12 @@ class LayerwiseTransfer:
         if load.fetched is not None:
             return load.fetched
         try:
-            fetched = load.future.finish() if isinstance(load.future, LayerFetch) else load.future.result()
+            if isinstance(load.future, LayerFetch):
+                fetched = load.future.finish()
+                for tier, (span, nbytes) in load.future.spans.items():
+                    self._chooser(tier, self.groups[g].num_layers).record(span, load.waited_s, nbytes)
+            else:
+                fetched = load.future.result()
         except Exception:  # a failing tier must cost a recompute, never the engine
             log.exception("lmkv: fetch failed; recomputing")
             fetched = Fetched([None] * len(load.block_ids), [None] * len(load.block_ids), [])
@@ -481,7 +503,9 @@ class LayerwiseTransfer:
         if isinstance(load.future, LayerFetch) and load.fetched is None:
             t0 = time.perf_counter()
             landed = load.future.wait(layer)
-            self.stats.add(layer_wait_us=int((time.perf_counter() - t0) * 1e6))
+            waited = time.perf_counter() - t0
+            load.waited_s += waited
+            self.stats.add(layer_wait_us=int(waited * 1e6))
             if landed != load.landed:  # (the same pages layer after layer, usually: paired once)
                 load.landed = landed
                 load.copies = self._copies(g, [b for b, ok in zip(load.block_ids, landed) if ok],
