@@ -213,20 +213,23 @@ def _remote_hits(name: str, model: Path, shape: Shape, kv_bytes: int, memory: st
 
         times: dict[str, list[float]] = {"floor": [], "layerwise": [], "whole": []}
         outs: dict[str, list[int]] = {}
-        before = (sched.stats.layerwise_loads, sched.stats.async_loads)
+        auto = [0, 0]  # the paths auto took: layerwise, async
         for _ in range(shape.repeats):
             t, outs["floor"] = v.ttft(prompt)
             times["floor"].append(t)
             for path, mode in (("layerwise", "auto"), ("whole", "async")):
                 sched.load_mode = mode
                 prepare()
+                before = (sched.stats.layerwise_loads, sched.stats.async_loads)
                 t, outs[path] = v.ttft(prompt)
                 times[path].append(t)
+                if mode == "auto":
+                    auto[0] += sched.stats.layerwise_loads - before[0]
+                    auto[1] += sched.stats.async_loads - before[1]
             sched.load_mode = "auto"
         log.info("%s: %s (ms)", name, {k: [round(x * 1e3, 1) for x in ts] for k, ts in times.items()})
         return {"median": {k: statistics.median(ts) for k, ts in times.items()}, "outs": outs,
-                "layerwise_loads": sched.stats.layerwise_loads - before[0],
-                "async_loads": sched.stats.async_loads - before[1]}
+                "layerwise_loads": auto[0], "async_loads": auto[1]}
     finally:
         v.close()
 

@@ -128,14 +128,15 @@ def test_multiprocess_engine_with_the_connector_named_only(model):
 
 
 def test_fresh_engine_over_the_same_disk_tier(model, tmp_path):
-    cfg = {"memory": {"capacity": "256MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+    """The second engine's hit comes from disk, one layer per request, in the step that runs it."""
+    cfg = {"memory": {"capacity": "256MiB"}, "disk": {"path": str(tmp_path / "disk")}, "layerwise_span": 1}
     p = prompt(300, seed=9)
     with engine(model, lmkv=cfg) as first:
         expected = generate(first, [p])
     with engine(model, lmkv=cfg, log_stats=True) as second:  # a new process-level store: only the disk remembers
         assert generate(second, [p]) == expected
         stats = lmkv_stats(second)
-        assert stats["transfers"]["loaded_pages"] == 9
+        assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9
         assert stats["tiers"]["disk"]["hits"] == 9
         # the same in vLLM's own /metrics, through the connector's Prometheus hook
         assert scraped("vllm:lmkv_loaded_pages_total") == 9
@@ -152,25 +153,26 @@ def test_two_engines_share_pages_through_the_lmkv_server(model, multiprocess):
 
     p = prompt(300, seed=21 + multiprocess)
     with spawn("--memory", "256MiB") as server:
-        cfg = {"memory": {"capacity": "256MiB"}, "remote": {"url": server.url}}
+        cfg = {"memory": {"capacity": "256MiB"}, "remote": {"url": server.url}, "layerwise_span": 1}
         with engine(model, lmkv=cfg, multiprocess=multiprocess) as first:
             expected = generate(first, [p])
         with engine(model, lmkv=cfg, multiprocess=multiprocess) as second:
             assert generate(second, [p]) == expected
             stats = lmkv_stats(second)
-            assert stats["transfers"]["loaded_pages"] == 9
+            assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9
             assert stats["tiers"]["server"]["hits"] == 9
 
 
 def test_two_engines_share_pages_through_redis(model, redis_node):
     p = prompt(300, seed=23)
-    cfg = {"memory": {"capacity": "256MiB"}, "remote": {"url": redis_node.url, "key_prefix": "e2e:"}}
+    cfg = {"memory": {"capacity": "256MiB"}, "remote": {"url": redis_node.url, "key_prefix": "e2e:"},
+           "layerwise_span": 1}
     with engine(model, lmkv=cfg) as first:
         expected = generate(first, [p])
     with engine(model, lmkv=cfg) as second:
         assert generate(second, [p]) == expected
         stats = lmkv_stats(second)
-        assert stats["transfers"]["loaded_pages"] == 9
+        assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9
         assert stats["tiers"]["redis"]["hits"] == 9
 
 
