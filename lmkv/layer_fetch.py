@@ -224,11 +224,12 @@ class LayerFetch:
 
     def wait(self, layer: int) -> list[bool]:
         """Block until ``layer`` (and every layer before it) has landed; per page, whether all of
-        them are there intact."""
+        them are there intact (a page that failed anywhere is no longer copied in: it is recomputed)."""
         for ev in self._ready[: layer + 1]:
             ev.wait()
         with self._lock:
-            return [ok and all(self._ok[k][i] for k in range(layer)) for i, ok in enumerate(self._ok[layer])]
+            failed = self._failed
+            return [ok and i not in failed for i, ok in enumerate(self._ok[layer])]
 
     def finish(self) -> Fetched:
         """Every layer waited for; pages intact in all of them published (promoted into memory where

@@ -73,3 +73,26 @@ def redis_cluster():
 
     with start_cluster(3) as c:
         yield c
+
+
+def flip_byte(path, offset: int) -> None:
+    """Corrupt one byte of a file in place (a page's checksum then fails)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def layerwise_load(store, layouts, tensors, names, op):
+    """A worker that loads ``op`` into ``tensors`` layer by layer, as the forward's hooks run."""
+    from lmkv.engine.plan import StepPlan
+    from lmkv.engine.worker import LayerwiseTransfer
+
+    r = LayerwiseTransfer(store, layouts, tensors, names)
+    r.begin(StepPlan(loads=[op]))
+    r.start_loads()
+    for name in names:
+        r.before_layer(name)
+    r.end()
+    return r

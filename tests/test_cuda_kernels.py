@@ -126,6 +126,8 @@ def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel():
     """LayerwiseTransfer on CUDA tensors (vLLM's token-major layout) with a pinned memory tier: stores
     layer by layer as the forward runs, a rescue before it, and a layerwise load into other blocks."""
     _gpu()
+    from conftest import layerwise_load
+
     from lmkv.config import load_config
     from lmkv.cuda import KernelLayerBlocks
     from lmkv.engine.plan import PageOp, StepPlan
@@ -152,12 +154,7 @@ def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel():
         out = views("LBNHC", "cuda")
         for t in out:
             t.zero_()
-        r = LayerwiseTransfer(store, [layout], [out], names)
-        r.begin(StepPlan(loads=[PageOp("x", 0, chains, [0, 3, 8, 9], list(range(4)))]))
-        r.start_loads()
-        for name in names:
-            r.before_layer(name)
-        r.end()
+        r = layerwise_load(store, [layout], [out], names, PageOp("x", 0, chains, [0, 3, 8, 9], list(range(4))))
         assert r.take_errors() == set()
         for i in range(L):
             assert torch.equal(out[i][0], before[i][6]) and torch.equal(out[i][3], before[i][1])  # rescued

@@ -9,7 +9,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import make_pages
+from conftest import flip_byte, layerwise_load, make_pages
 
 from lmkv.config import DiskConfig
 from lmkv.page import disk_header_bytes, padded
@@ -109,11 +109,7 @@ def test_a_corrupt_page_file_is_a_miss_on_the_device_path(gds_tier, layout):
     keys, _, pages = make_pages(layout, 2)
     gds_tier.put(pages, "e")
     path = next(p for p in (gds_tier.root / "d").rglob("*.page") if keys[1].hex() in p.name)
-    with open(path, "r+b") as f:
-        f.seek(disk_header_bytes(layout) + layout.payload_bytes - 1)  # the payload's last byte
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(path, disk_header_bytes(layout) + layout.payload_bytes - 1)  # the payload's last byte
     bufs = _device_buffers(layout, 2)
     heads = gds_tier.get_device(keys, layout, [gds.DeviceBuffer(b.data_ptr()) for b in bufs])
     assert heads[0] is not None and heads[1] is None
@@ -209,11 +205,7 @@ def test_the_store_reads_gds_pages_into_staging_slots_and_the_rest_into_memory(t
         disk.put(pages, "e")
         store.memory.put([pages[0]], "e")  # a memory hit
         path = next(p for p in (disk.root / "d").rglob("*.page") if keys[2].hex() in p.name)
-        with open(path, "r+b") as f:  # one corrupt page among those the slots take
-            f.seek(disk_header_bytes(layout) + 5)
-            b = f.read(1)
-            f.seek(disk_header_bytes(layout) + 5)
-            f.write(bytes([b[0] ^ 1]))
+        flip_byte(path, disk_header_bytes(layout) + 5)  # one corrupt page among those the slots take
         fetched = store.fetch(keys, layout, device=staging)
         kinds = [type(v).__name__ for v in fetched.views]
         assert kinds[0] != "DeviceBuffer" and fetched.views[2] is None
@@ -273,20 +265,11 @@ def test_the_worker_loads_disk_pages_through_device_memory_and_stores_from_it(tm
         posix.close()
         store.memory.delete(keys)
         path = next(p for p in (tmp_path / "disk" / "d").rglob("*.page") if keys[3].hex() in p.name)
-        with open(path, "r+b") as f:
-            f.seek(disk_header_bytes(layout) + 1)
-            b = f.read(1)
-            f.seek(disk_header_bytes(layout) + 1)
-            f.write(bytes([b[0] ^ 1]))
+        flip_byte(path, disk_header_bytes(layout) + 1)
         out = views("LBNHC", "cuda")
         for t in out:
             t.zero_()
-        r = LayerwiseTransfer(store, [layout], [out], names)
-        r.begin(StepPlan(loads=[PageOp("x", 0, chains, [0, 3, 8, 9], list(range(4)))]))
-        r.start_loads()
-        for name in names:
-            r.before_layer(name)
-        r.end()
+        r = layerwise_load(store, [layout], [out], names, PageOp("x", 0, chains, [0, 3, 8, 9], list(range(4))))
         assert r.take_errors() == {9}
         for i in range(L):
             for src, dst in ((4, 0), (2, 3), (1, 8)):

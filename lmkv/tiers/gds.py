@@ -33,10 +33,12 @@ import logging
 import os
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import ClassVar, Self
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ def _on_rocm() -> bool:
     return bool(getattr(torch.version, "hip", None))
 
 
-def engine(device: int = 0):
+def engine(device: int = 0) -> GdsEngine:
     """The GPUDirect Storage engine of this process's GPUs, shared per device: cuFile on CUDA,
     AMD's hipFile (:class:`lmkv.tiers.hipfile.HipFile`, the same methods) on ROCm."""
     if _on_rocm():
@@ -142,7 +144,7 @@ def probe(directory: str | os.PathLike[str], device: int = 0) -> str | None:
     return None
 
 
-def _probe_file(io, directory: Path) -> None:
+def _probe_file(io: GdsEngine, directory: Path) -> None:
     import torch
 
     buf = torch.arange(PROBE_BYTES, dtype=torch.int32, device=f"cuda:{io.device}").to(torch.uint8)
@@ -160,24 +162,84 @@ def _probe_file(io, directory: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-class CuFile:
-    """cuFile on one CUDA device: the driver opened once per process and device, file handles
-    registered around each page's I/O (a page is a file), staging buffers registered once."""
+class GdsEngine(ABC):
+    """A GPUDirect Storage library on one GPU, shared per process and device: buffers registered
+    once (the library pins them once, not per read), reads and writes between a file offset and
+    a device buffer offset that raise OSError when short or failed (the page is then a miss, or
+    not stored). Two of them: :class:`CuFile` and :class:`lmkv.tiers.hipfile.HipFile`."""
 
-    _shared: dict[int, CuFile] = {}
-    _lock = threading.Lock()
+    _shared: ClassVar[dict[int, GdsEngine]]
+    _lock: ClassVar[threading.Lock]
+    name: ClassVar[str]  # how the library calls its reads: cuFile, hipFile
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        #: whether the library moves bytes through bounce buffers of its own (None: it does not say)
+        self.compat_mode: bool | None = None
+        self._buffers: set[int] = set()
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        cls._shared, cls._lock = {}, threading.Lock()
+
+    @classmethod
+    def shared(cls, device: int = 0) -> Self:
+        with cls._lock:
+            io = cls._shared.get(device)
+            if io is None:
+                io = cls._shared[device] = cls(device)
+            return io  # type: ignore[return-value]
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Register a device buffer that page I/O will reuse."""
+        if ptr not in self._buffers:
+            self._buf_register(ptr, nbytes)
+            self._buffers.add(ptr)
+
+    def deregister(self, ptr: int) -> None:
+        if ptr in self._buffers:
+            self._buffers.discard(ptr)
+            self._buf_deregister(ptr)
+
+    def read(self, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int = 0) -> None:
+        """``nbytes`` of the file at ``file_offset`` into device memory at ``ptr + buf_offset``."""
+        got = self._io(False, fd, ptr, nbytes, file_offset, buf_offset)
+        if got != nbytes:
+            raise OSError(f"{self.name}Read: {got} of {nbytes} bytes")
+
+    def write(self, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int = 0) -> None:
+        """``nbytes`` from device memory at ``ptr + buf_offset`` into the file at ``file_offset``."""
+        put = self._io(True, fd, ptr, nbytes, file_offset, buf_offset)
+        if put != nbytes:
+            raise OSError(f"{self.name}Write: {put} of {nbytes} bytes")
+
+    @abstractmethod
+    def _buf_register(self, ptr: int, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def _buf_deregister(self, ptr: int) -> None: ...
+
+    @abstractmethod
+    def _io(self, write: bool, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int) -> int:
+        """Bytes moved; raises OSError on the library's errors."""
+
+
+class CuFile(GdsEngine):
+    """cuFile on one CUDA device: the driver opened once per process and device, file handles
+    registered around each page's I/O (a page is a file)."""
+
+    name = "cuFile"
 
     def __init__(self, device: int) -> None:
         import torch
 
-        self.device = device
+        super().__init__(device)
         torch.cuda.init()
         with torch.cuda.device(device):
             torch.empty(1, device=f"cuda:{device}")  # a current context for libcufile
             self._cufile = _cufile()
             self._cufile.driver_open()
         self.compat_mode = not nvidia_fs_loaded()
-        self._buffers: set[int] = set()
         self._threads = threading.local()
 
     def _in_context(self) -> None:
@@ -188,24 +250,11 @@ class CuFile:
             torch.cuda.set_device(self.device)
             self._threads.device = self.device
 
-    @classmethod
-    def shared(cls, device: int = 0) -> CuFile:
-        with cls._lock:
-            io = cls._shared.get(device)
-            if io is None:
-                io = cls._shared[device] = cls(device)
-            return io
+    def _buf_register(self, ptr: int, nbytes: int) -> None:
+        self._cufile.buf_register(ptr, nbytes, 0)
 
-    def register(self, ptr: int, nbytes: int) -> None:
-        """Register a device buffer that page I/O will reuse (cuFile pins it once, not per read)."""
-        if ptr not in self._buffers:
-            self._cufile.buf_register(ptr, nbytes, 0)
-            self._buffers.add(ptr)
-
-    def deregister(self, ptr: int) -> None:
-        if ptr in self._buffers:
-            self._buffers.discard(ptr)
-            self._cufile.buf_deregister(ptr)
+    def _buf_deregister(self, ptr: int) -> None:
+        self._cufile.buf_deregister(ptr)
 
     @contextlib.contextmanager
     def _handle(self, fd: int) -> Iterator[int]:
@@ -219,25 +268,12 @@ class CuFile:
         finally:
             self._cufile.handle_deregister(handle)
 
-    def read(self, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int = 0) -> None:
-        """``nbytes`` of the file at ``file_offset`` into device memory at ``ptr + buf_offset``;
-        a short read or a cuFile error raises OSError (the page is then a miss)."""
-        got = self._io("read", fd, ptr, nbytes, file_offset, buf_offset)
-        if got != nbytes:
-            raise OSError(f"cuFileRead: {got} of {nbytes} bytes")
-
-    def write(self, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int = 0) -> None:
-        """``nbytes`` from device memory at ``ptr + buf_offset`` into the file at ``file_offset``;
-        a short write or a cuFile error raises OSError (the page is not stored)."""
-        put = self._io("write", fd, ptr, nbytes, file_offset, buf_offset)
-        if put != nbytes:
-            raise OSError(f"cuFileWrite: {put} of {nbytes} bytes")
-
-    def _io(self, op: str, fd: int, *args: int) -> int:
+    def _io(self, write: bool, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int) -> int:
         self._in_context()
+        op = "write" if write else "read"
         try:
             with self._handle(fd) as h:
-                return int(getattr(self._cufile, op)(h, *args))
+                return int(getattr(self._cufile, op)(h, ptr, nbytes, file_offset, buf_offset))
         except OSError:
             raise
         except Exception as err:  # cuda-python's cuFileError, a CUDA error: the tier's I/O failed
@@ -250,7 +286,7 @@ def _fallback_warning(directory: str, reason: str) -> None:
                 directory, reason)
 
 
-def choose(directory: str | os.PathLike[str], required: bool, device: int = 0):
+def choose(directory: str | os.PathLike[str], required: bool, device: int = 0) -> GdsEngine | None:
     """The GDS engine for the disk tier under ``directory`` (:func:`engine`), or ``None`` (POSIX I/O;
     logged once). ``required`` (``disk.io: gds``): a reason not to use it is an error, raised as
     ValueError."""

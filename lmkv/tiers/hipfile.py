@@ -19,8 +19,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
-import threading
 from collections.abc import Iterator
+
+from lmkv.tiers.gds import GdsEngine
 
 #: hipFileHandleTypeOpaqueFD: a POSIX file descriptor
 HANDLE_FD = 1
@@ -78,14 +79,13 @@ def _check(lib: ctypes.CDLL, e: _Error, what: str) -> None:
         raise OSError(f"{what}: {text.decode(errors='replace')} (hipFile {e.err}, HIP {e.hip_drv_err})")
 
 
-class HipFile:
-    """hipFile on one ROCm device, with :class:`lmkv.tiers.gds.CuFile`'s methods."""
+class HipFile(GdsEngine):
+    """hipFile on one ROCm device, behind :class:`lmkv.tiers.gds.CuFile`'s methods."""
 
-    _shared: dict[int, HipFile] = {}
-    _lock = threading.Lock()
+    name = "hipFile"
 
     def __init__(self, device: int, lib: ctypes.CDLL | None = None) -> None:
-        self.device = device
+        super().__init__(device)
         if lib is None:
             import torch
 
@@ -94,27 +94,13 @@ class HipFile:
             lib = load()
         self._lib = lib
         _check(lib, lib.hipFileDriverOpen(), "hipFileDriverOpen")
-        #: hipFile falls back to POSIX I/O by itself where the P2P path is missing; it does not say
-        self.compat_mode: bool | None = None
-        self._buffers: set[int] = set()
+        # (compat_mode stays None: hipFile falls back to POSIX I/O by itself and does not say)
 
-    @classmethod
-    def shared(cls, device: int = 0) -> HipFile:
-        with cls._lock:
-            io = cls._shared.get(device)
-            if io is None:
-                io = cls._shared[device] = cls(device)
-            return io
+    def _buf_register(self, ptr: int, nbytes: int) -> None:
+        _check(self._lib, self._lib.hipFileBufRegister(ptr, nbytes, 0), "hipFileBufRegister")
 
-    def register(self, ptr: int, nbytes: int) -> None:
-        if ptr not in self._buffers:
-            _check(self._lib, self._lib.hipFileBufRegister(ptr, nbytes, 0), "hipFileBufRegister")
-            self._buffers.add(ptr)
-
-    def deregister(self, ptr: int) -> None:
-        if ptr in self._buffers:
-            self._buffers.discard(ptr)
-            _check(self._lib, self._lib.hipFileBufDeregister(ptr), "hipFileBufDeregister")
+    def _buf_deregister(self, ptr: int) -> None:
+        _check(self._lib, self._lib.hipFileBufDeregister(ptr), "hipFileBufDeregister")
 
     @contextlib.contextmanager
     def _handle(self, fd: int) -> Iterator[ctypes.c_void_p]:
@@ -127,17 +113,8 @@ class HipFile:
         finally:
             self._lib.hipFileHandleDeregister(handle)
 
-    def read(self, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int = 0) -> None:
-        got = self._io(self._lib.hipFileRead, fd, ptr, nbytes, file_offset, buf_offset)
-        if got != nbytes:
-            raise OSError(f"hipFileRead: {got} of {nbytes} bytes")
-
-    def write(self, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int = 0) -> None:
-        put = self._io(self._lib.hipFileWrite, fd, ptr, nbytes, file_offset, buf_offset)
-        if put != nbytes:
-            raise OSError(f"hipFileWrite: {put} of {nbytes} bytes")
-
-    def _io(self, call, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int) -> int:
+    def _io(self, write: bool, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int) -> int:
+        call = self._lib.hipFileWrite if write else self._lib.hipFileRead
         with self._handle(fd) as h:
             n = call(h, ptr, nbytes, file_offset, buf_offset)
         if n == -1:
