@@ -259,5 +259,7 @@ def test_cached_pages_are_read_inline_and_uncached_ones_on_io_threads(tmp_path, 
     outs = [np.zeros_like(p) for p in payloads]
     assert all(h is not None for h in t.get(keys, layout, outs))
     assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
-    assert handed == dropped  # only the dropped pages went to the threads
+    # the dropped pages went to the threads, cached ones did not (the kernel may reclaim one more
+    # of the pages just dropped from under the check before the read: it goes to a thread too)
+    assert set(dropped) <= set(handed) <= {3, 4, 5}
     assert t.stats.hits == 12 and t.stats.misses == 0

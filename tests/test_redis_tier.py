@@ -52,7 +52,7 @@ def test_roundtrip_ranges_delete(tier, layout):
     assert not out[: rng[0]].any()
     assert tier.delete(keys[:2]) == 2
     assert tier.contains(keys) == [False, False, True, True, True]
-    assert tier.stats.hits == 6 and tier.stats.puts == 5
+    assert tier.stats.hits == 5 and tier.stats.puts == 5  # (a range inside a page read already is no new hit)
 
 
 def test_flipped_byte_in_redis_is_a_miss_and_dropped(tier, layout):

@@ -21,7 +21,7 @@ import ctypes.util
 import os
 from collections.abc import Iterator
 
-from lmkv.tiers.gds import GdsEngine
+from lmkv.tiers.gds_engine import GdsEngine
 
 #: hipFileHandleTypeOpaqueFD: a POSIX file descriptor
 HANDLE_FD = 1
