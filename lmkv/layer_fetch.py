@@ -113,7 +113,6 @@ class LayerFetch:
         self._leases: list = []
         self._landing: Landing | None = None
         self.from_below = 0  # pages read from a lower tier
-        self.requests = 0  # requests sent
         self.spans: dict[str, tuple[int, int]] = {}  # per tier: its span, and the bytes it was asked for
         self._began: dict[str, float] = {}  # per tier, when its first request went out
         self._failed: set[int] = set()  # pages a request failed for: not asked for again
@@ -195,7 +194,6 @@ class LayerFetch:
                     self.store.link.fetched(tier.name, len(ask) * self.layout.payload_bytes,
                                             done - self._began[tier.name])
             with self._lock:
-                self.requests += bool(ask)
                 if got is None:
                     self._dead.add(tier.name)
                 for i, h in zip(ask, got or [None] * len(ask)):

@@ -450,7 +450,8 @@ class LayerwiseTransfer:
         load.fetched = fetched
         views = fetched.views
         load.ok = [v is not None for v in views]
-        load.copies = self._copies(g, load.block_ids, views)
+        if not isinstance(load.future, LayerFetch):  # (a layerwise load paired its pages layer by layer)
+            load.copies = self._copies(g, load.block_ids, views)
         loaded = sum(load.ok)
         failed = [b for b, ok in zip(load.block_ids, load.ok) if not ok]
         self._errors.update(failed)

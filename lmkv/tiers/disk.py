@@ -654,11 +654,15 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     def get_ranges(self, keys: Sequence[PageKey], layout: GroupLayout, ranges: Sequence[Range],
                    outs: Sequence) -> list[PageHeader | None]:
-        """Pages in parallel on the tier's I/O threads (a device needs queue depth)."""
-        want = list(ranges)
+        return self._read_parallel(keys, layout, outs, list(ranges))
+
+    def _read_parallel(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
+                       ranges: Sequence[Range] | None = None) -> list[PageHeader | None]:
+        """Pages (or their ``ranges``) in parallel on the tier's I/O threads (a device needs queue
+        depth); a single page in this thread."""
         if len(keys) < 2:
-            return [self._read(k, layout, o, want) for k, o in zip(keys, outs)]
-        return list(self._io.map(lambda i: self._read(keys[i], layout, outs[i], want), range(len(keys))))
+            return [self._read(k, layout, o, ranges) for k, o in zip(keys, outs)]
+        return list(self._io.map(lambda i: self._read(keys[i], layout, outs[i], ranges), range(len(keys))))
 
     def get_device(self, keys: Sequence[PageKey], layout: GroupLayout,
                    outs: Sequence[gds.DeviceBuffer]) -> list[PageHeader | None]:
@@ -670,8 +674,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             raise ValueError(f"disk tier {self.root}: GPUDirect Storage is not in use (disk.io)")
         from lmkv.cuda.digests import verify_on_device
 
-        heads: list[PageHeader | None] = list(self._io.map(lambda i: self._read(keys[i], layout, outs[i]),
-                                                          range(len(keys))))
+        heads = self._read_parallel(keys, layout, outs)
         read = [i for i, h in enumerate(heads) if h is not None]
         ok = verify_on_device([outs[i].ptr for i in read], layout, [h for h in heads if h is not None],
                               device=self.gds.device) if read else []
