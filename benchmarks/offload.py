@@ -1,37 +1,45 @@
-"""``lmkv bench offload``: eager write-through, eviction-aware lazy offload and the offline oracle,
-replayed on vLLM's real ``KVCacheManager`` (:mod:`lmkv.offload.sim`) over the same seeded traces.
+"""``lmkv bench offload``: eager write-through, eviction-aware lazy offload, LMCache's policy and the
+offline oracle, replayed on vLLM's real ``KVCacheManager`` (:mod:`lmkv.offload.sim`) over the same
+traces, at KV budgets of 1/1.25, 1/2 and 1/3 of each trace's distinct blocks.
 
-- Mixed trace (agent sessions with tool gaps + repeatedly queried documents + a no-reuse
-  stream) with the engine's KV budget at 1/1.25, 1/2 and 1/3 of the trace's distinct
-  blocks: ``bytes_written``, ``hit_tokens``, ``blocks_lost`` are lazy's sums beside eager's;
-  ``bytes_vs_oracle`` beside the oracle's bytes (every block that was evicted and asked for
-  again, each written once); ``stale_writes`` must be 0.
-- ``bw.*``: the same runs with a copy budget per step at half of eager's mean write rate,
-  so eager falls behind and blocks are evicted before their copy; the budget is declared to
-  the lazy policy (``offload.link_bytes_per_step``), which then keeps the link busy.
-- ``computed_tokens``: what tier hits are for, the tokens the engine computed.
-- ``rescued_pages``: lazy's copies of blocks a step had already taken (a burst beyond
-  the danger zone), made before that step's forward: the share of its copies on the
-  forward's critical path.
-- ``policy_us_per_step``: the lazy policy's median time per step with 100k blocks and
-  1k running requests.
-Per-trace figures (agents, documents, and each working-set factor) come as extra metrics.
+Two trace families, each summed over its runs (seeds x budgets):
 
-- ``mooncake.*``: a real production trace, the Mooncake FAST'25 conversation trace
-  (``traces/``, replayed by :func:`lmkv.offload.traces.mooncake`: its first 5 minutes, 1 with
-  ``--quick``; 40 ms of trace a step, outputs capped at 32 tokens), at the same three KV
-  budgets, summed over them: ``bytes_vs_oracle``, ``hit_tokens`` (beside eager's),
-  ``engine_hit_tokens`` (the engine's own prefix-cache hits beside the run without offload:
-  what offloading costs vLLM's cache), and ``bw.*`` under the same half-rate link; beside them
-  LMCache 0.5.6's eviction-aware store queue in the same runs (``lmcache_*``, when lmcache is
-  importable: :mod:`lmkv.offload.peer`). Nothing in the policy was chosen on this trace.
+- ``gen.*``: the generator's mixed trace (agent sessions with tool gaps, repeatedly queried
+  documents, a no-reuse stream) over 8 seeds (2 with ``--quick``), replayed from Parquet as a
+  user's recorded trace would be;
+- ``mooncake.*``: a real production trace, the Mooncake FAST'25 conversation trace (``traces/``,
+  replayed by :func:`lmkv.offload.traces.mooncake`: its first 5 minutes, 1 with ``--quick``;
+  40 ms of trace a step, outputs capped at 32 tokens). Nothing in the policy was chosen on it.
+
+Per family: ``bytes_vs_oracle`` (lazy's bytes; the oracle's: every block that was evicted and
+asked for again, written once), ``hit_tokens`` (tier-hit tokens; eager's), ``engine_hit_tokens``
+(vLLM's own prefix-cache hits; the run without offload: what offloading costs the engine's
+cache), ``lmcache_*`` (LMCache 0.5.6's eviction-aware store queue in the same runs, driven as
+its connector drives it: :mod:`lmkv.offload.peer`), ``bytes_vs_lmcache``; ``bw.*`` under a
+declared copy link at half of eager's mean write rate (eager falls behind and loses blocks;
+lazy keeps the link busy); ``worst.*``: the seed with the fewest tier hits against eager's
+(and the one with the most bytes); ``8b.*``: the same runs with 8B-shaped pages (4 MiB per
+32-token page, a token 40 us of compute) where only lazy's drain cap depends on the page's
+size (none, eager, the oracle and LMCache's policy decide the same blocks for any page size,
+and their bytes scale with it); ``hindsight_classes_vs_oracle``: the bytes of a policy that
+knew each class's need rate in hindsight and copied whole classes, most needed first, until
+97% of the needed blocks are kept — what judging blocks by the classes the engine can see
+can reach at best. Per budget: ``{family}.{f}x.*``.
+
+Top level (shared/BENCH.md): the ``gen`` family's sums as ``bytes_written`` (vs eager),
+``bytes_vs_oracle``, ``hit_tokens``, ``blocks_lost``, ``computed_tokens``, ``stale_writes``
+(must be 0), ``rescued_pages`` (copies made before a step's forward: on its critical path),
+``bw.*``; ``policy_us_per_step``: lazy's median time per step with 100k blocks and 1k
+running requests.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
@@ -43,6 +51,11 @@ from lmkv.offload.traces import TraceRequest, generate, load, mooncake, save
 log = logging.getLogger("lmkv.bench.offload")
 
 FACTORS = (1.25, 2.0, 3.0)
+#: page shapes: bytes per 32-token page and seconds of compute per token
+SMALL = (256 << 10, 2.5e-6)
+EIGHT_B = (4 << 20, 40e-6)
+#: the share of needed blocks the hindsight class bound keeps (the tier-hit target)
+KEEP = 0.97
 
 
 def _scale_trace(running: int, prompt: int, out: int) -> list[TraceRequest]:
@@ -50,90 +63,160 @@ def _scale_trace(running: int, prompt: int, out: int) -> list[TraceRequest]:
                          [(i + j) % 30000 + 3 for j in range(out)]) for i in range(running)]
 
 
+@dataclass(frozen=True)
+class Task:
+    family: str  # "gen" or "mooncake"
+    seed: int  # gen: the generator's seed; mooncake: 0
+    factor: float
+    scale: float  # gen: the generator's scale; mooncake: seconds of the trace
+    peer: bool  # run LMCache's policy too
+    directory: str | None = None  # where the generated traces are written (the system's temp dir)
+
+
 @dataclass
-class _Runs:
-    """One trace at one KV budget: each policy's run, the oracle's bytes, and the runs under a
-    copy link at half of eager's mean write rate."""
+class Outcome:
+    """One trace at one budget: each policy's figures (blocks as counts; pages of the small shape)."""
 
-    none: SimResult
-    eager: SimResult
-    lazy: SimResult
-    oracle: int
-    bw_eager: SimResult
-    bw_lazy: SimResult
-    lmcache: SimResult | None
+    task: Task
+    figures: dict[str, float] = field(default_factory=dict)
 
 
-def _budget(trace: list[TraceRequest], ws: int, factor: float, peer: bool = False) -> _Runs:
-    """The runs at a KV budget of ``ws / factor`` blocks (``peer``: LMCache's policy too)."""
-    cfg = SimConfig(num_blocks=max(256, int(ws / factor)))
-    none, eager, lazy = (simulate(trace, cfg, p) for p in ("none", "eager", "lazy"))
-    rate = eager.bytes_written / max(1, eager.steps)
-    bw = SimConfig(num_blocks=cfg.num_blocks, d2h_bytes_per_step=max(cfg.page_bytes, int(rate / 2)))
-    return _Runs(none, eager, lazy, len(none.oracle_blocks) * cfg.page_bytes, simulate(trace, bw, "eager"),
-                 simulate(trace, bw, "lazy"), simulate(trace, cfg, "lmcache") if peer else None)
+def _trace(task: Task, tmp: str) -> list[TraceRequest]:
+    if task.family == "mooncake":
+        return mooncake(str(files(__package__).joinpath("traces/mooncake_conversation.jsonl.gz")), seconds=task.scale)
+    path = str(Path(tmp) / f"mixed-{task.seed}.parquet")
+    save(generate("mixed", seed=task.seed, scale=task.scale), path)  # replayed as a user's trace would be
+    return load(path)
+
+
+def _hindsight(r: SimResult) -> float:
+    """Blocks a class-level policy with hindsight copies to keep ``KEEP`` of the needed blocks."""
+    total = sum(n for n, _ in r.need_classes)
+    kept = copied = 0.0
+    for needed, blocks in sorted(r.need_classes, key=lambda c: -(c[0] / c[1] if c[1] else 0)):
+        if kept >= KEEP * total:
+            break
+        kept += needed
+        copied += blocks
+    return copied
+
+
+def _run(task: Task) -> Outcome:
+    logging.getLogger("lmkv").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory(dir=task.directory) as tmp:
+        trace = _trace(task, tmp)
+    ws = distinct_blocks(trace, 32)
+    blocks = max(256, int(ws / task.factor))
+    cfg = SimConfig(num_blocks=blocks, page_bytes=SMALL[0], token_s=SMALL[1])
+    runs = {p: simulate(trace, cfg, p) for p in ("none", "eager", "lazy")}
+    runs["lazy8b"] = simulate(trace, SimConfig(num_blocks=blocks, page_bytes=EIGHT_B[0], token_s=EIGHT_B[1]), "lazy")
+    rate = runs["eager"].writes / max(1, runs["eager"].steps) * cfg.page_bytes
+    bw = SimConfig(num_blocks=blocks, d2h_bytes_per_step=max(cfg.page_bytes, int(rate / 2)))
+    runs["bw_eager"], runs["bw_lazy"] = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
+    if task.peer:
+        runs["lmcache"] = simulate(trace, cfg, "lmcache")
+    out = Outcome(task, {"oracle": len(runs["none"].oracle_blocks), "hindsight": _hindsight(runs["lazy"]),
+                         "policy_us": runs["lazy"].policy_us_median})
+    for name, r in runs.items():
+        for k in ("writes", "hit_tokens", "engine_hit_tokens", "computed_tokens", "blocks_lost", "stale_writes",
+                  "rescues", "wasted_writes"):
+            out.figures[f"{name}.{k}"] = getattr(r, k)
+    log.info("%s seed %d at 1/%g: lazy %d writes, eager %d, oracle %d; tier hits lazy %d eager %d",
+             task.family, task.seed, task.factor, runs["lazy"].writes, runs["eager"].writes, out.figures["oracle"],
+             runs["lazy"].hit_tokens, runs["eager"].hit_tokens)
+    return out
+
+
+def _sum(outcomes: list[Outcome], key: str) -> float:
+    return sum(o.figures.get(key, 0) for o in outcomes)
+
+
+def _family(report: Report, name: str, outcomes: list[Outcome], peer: bool) -> None:
+    """The family's figures (see the module docstring); bytes are pages x the shape's page bytes."""
+    page, big = SMALL[0], EIGHT_B[0]
+    oracle = _sum(outcomes, "oracle") * page
+    runs = "same runs"
+
+    def add(metric: str, value: float, unit: str, baseline: float, what: str) -> None:
+        report.add(f"{name}.{metric}", value, unit, baseline or None, what)
+
+    add("bytes_vs_oracle", _sum(outcomes, "lazy.writes") * page, "bytes", oracle, f"offline oracle, {runs}")
+    add("bytes_written", _sum(outcomes, "lazy.writes") * page, "bytes", _sum(outcomes, "eager.writes") * page,
+        f"eager write-through, {runs}")
+    add("hit_tokens", _sum(outcomes, "lazy.hit_tokens"), "tokens", _sum(outcomes, "eager.hit_tokens"),
+        f"eager, {runs}")
+    add("engine_hit_tokens", _sum(outcomes, "lazy.engine_hit_tokens"), "tokens",
+        _sum(outcomes, "none.engine_hit_tokens"), f"the runs without offload, {runs}")
+    add("hindsight_classes_vs_oracle", _sum(outcomes, "hindsight") * page, "bytes", oracle,
+        f"offline oracle; value: whole classes of the need estimate copied with hindsight, most needed first, "
+        f"until {KEEP:.0%} of the needed blocks are kept")
+    add("8b.bytes_vs_oracle", _sum(outcomes, "lazy8b.writes") * big, "bytes", _sum(outcomes, "oracle") * big,
+        f"offline oracle, {runs} (4 MiB pages)")
+    add("8b.hit_tokens", _sum(outcomes, "lazy8b.hit_tokens"), "tokens", _sum(outcomes, "eager.hit_tokens"),
+        f"eager, {runs} (4 MiB pages)")
+    add("8b.engine_hit_tokens", _sum(outcomes, "lazy8b.engine_hit_tokens"), "tokens",
+        _sum(outcomes, "none.engine_hit_tokens"), f"the runs without offload, {runs} (4 MiB pages)")
+    add("bw.blocks_lost", _sum(outcomes, "bw_lazy.blocks_lost"), "blocks", _sum(outcomes, "bw_eager.blocks_lost"),
+        "eager under the same copy link")
+    add("bw.hit_tokens", _sum(outcomes, "bw_lazy.hit_tokens"), "tokens", _sum(outcomes, "bw_eager.hit_tokens"),
+        "eager under the same copy link")
+    if peer:
+        peer_what = "LMCache 0.5.6's eviction-aware store queue"
+        add("lmcache_bytes_vs_oracle", _sum(outcomes, "lmcache.writes") * page, "bytes", oracle,
+            f"offline oracle, {runs} ({peer_what})")
+        add("lmcache_hit_tokens", _sum(outcomes, "lmcache.hit_tokens"), "tokens", _sum(outcomes, "eager.hit_tokens"),
+            f"eager, {runs} ({peer_what})")
+        add("lmcache_engine_hit_tokens", _sum(outcomes, "lmcache.engine_hit_tokens"), "tokens",
+            _sum(outcomes, "none.engine_hit_tokens"), f"the runs without offload, {runs} ({peer_what})")
+        add("bytes_vs_lmcache", _sum(outcomes, "lazy.writes") * page, "bytes", _sum(outcomes, "lmcache.writes") * page,
+            f"{peer_what}, {runs}")
+        add("8b.bytes_vs_lmcache", _sum(outcomes, "lazy8b.writes") * big, "bytes",
+            _sum(outcomes, "lmcache.writes") * big, f"{peer_what}, {runs} (4 MiB pages)")
+    for f in FACTORS:
+        at = [o for o in outcomes if o.task.factor == f]
+        add(f"{f:g}x.bytes_vs_oracle", _sum(at, "lazy.writes") * page, "bytes", _sum(at, "oracle") * page,
+            "offline oracle")
+        add(f"{f:g}x.hit_tokens", _sum(at, "lazy.hit_tokens"), "tokens", _sum(at, "eager.hit_tokens"), "eager")
+        add(f"{f:g}x.8b.hit_tokens", _sum(at, "lazy8b.hit_tokens"), "tokens", _sum(at, "eager.hit_tokens"), "eager")
+    seeds = sorted({o.task.seed for o in outcomes})
+    if len(seeds) > 1:
+        by_seed = {s: [o for o in outcomes if o.task.seed == s] for s in seeds}
+
+        def ratio(s: int, key: str, base: str) -> float:
+            return _sum(by_seed[s], key) / max(1.0, _sum(by_seed[s], base))
+
+        for prefix, lazy in (("", "lazy"), ("8b.", "lazy8b")):
+            s = min(seeds, key=lambda s: ratio(s, f"{lazy}.hit_tokens", "eager.hit_tokens"))
+            add(f"{prefix}worst.hit_tokens", _sum(by_seed[s], f"{lazy}.hit_tokens"), "tokens",
+                _sum(by_seed[s], "eager.hit_tokens"), f"eager, the seed ({s}) with the fewest against it")
+            s = min(seeds, key=lambda s: ratio(s, f"{lazy}.engine_hit_tokens", "none.engine_hit_tokens"))
+            add(f"{prefix}worst.engine_hit_tokens", _sum(by_seed[s], f"{lazy}.engine_hit_tokens"), "tokens",
+                _sum(by_seed[s], "none.engine_hit_tokens"), f"the run without offload, the seed ({s}) with the fewest")
+        s = max(seeds, key=lambda s: ratio(s, "lazy.writes", "oracle"))
+        add("worst.bytes_vs_oracle", _sum(by_seed[s], "lazy.writes") * page, "bytes",
+            _sum(by_seed[s], "oracle") * page, f"offline oracle, the seed ({s}) with the most against it")
 
 
 def run(quick: bool = False, directory: str | None = None) -> Report:
-    scale = 1.0 if quick else 3.0
-    report = Report("offload", params={"trace_scale": scale, "factors": FACTORS, "block_size": 32,
-                                       "page_bytes": 256 << 10, "seed": 1})
-    sums = {k: 0 for k in ("lazy_bytes", "eager_bytes", "oracle_bytes", "lazy_hits", "eager_hits", "lazy_lost",
-                           "eager_lost", "stale", "bw_lazy_lost", "bw_eager_lost", "bw_lazy_hits", "bw_eager_hits",
-                           "lazy_computed", "eager_computed", "bw_lazy_computed", "bw_eager_computed",
-                           "lazy_writes", "lazy_rescues")}
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        for kind in ("mixed", "agents", "documents"):
-            path = Path(tmp) / f"{kind}.parquet"
-            save(generate(kind, seed=1, scale=scale), str(path))  # replayed from Parquet, as a user's trace would be
-            trace = load(str(path))
-            ws = distinct_blocks(trace, 32)
-            for f in FACTORS:
-                r = _budget(trace, ws, f)
-                eager, lazy, beager, blazy, oracle = r.eager, r.lazy, r.bw_eager, r.bw_lazy, r.oracle
-                tag = f"{kind}.{f:g}x"
-                same = "eager, same trace"
-                report.add(f"{tag}.bytes_written", lazy.bytes_written, "bytes", eager.bytes_written, same)
-                report.add(f"{tag}.bytes_vs_oracle", lazy.bytes_written, "bytes", oracle or None, "offline oracle")
-                report.add(f"{tag}.hit_tokens", lazy.hit_tokens, "tokens", eager.hit_tokens or None, same)
-                report.add(f"{tag}.computed_tokens", lazy.computed_tokens, "tokens", eager.computed_tokens,
-                           "eager, same trace (prefill and decode the engine computed)")
-                report.add(f"{tag}.wasted_writes", lazy.wasted_writes, "blocks", eager.wasted_writes, same)
-                report.add(f"{tag}.bw.blocks_lost", blazy.blocks_lost, "blocks", beager.blocks_lost or None, "eager")
-                report.add(f"{tag}.bw.hit_tokens", blazy.hit_tokens, "tokens", beager.hit_tokens or None, "eager")
-                report.add(f"{tag}.bw.computed_tokens", blazy.computed_tokens, "tokens", beager.computed_tokens,
-                           "eager")
-                log.info("%s: lazy %d B, eager %d B, oracle %d B; hits lazy %d eager %d", tag, lazy.bytes_written,
-                         eager.bytes_written, oracle, lazy.hit_tokens, eager.hit_tokens)
-                if kind == "mixed":
-                    for k, v in (("lazy_bytes", lazy.bytes_written), ("eager_bytes", eager.bytes_written),
-                                 ("oracle_bytes", oracle), ("lazy_hits", lazy.hit_tokens),
-                                 ("eager_hits", eager.hit_tokens), ("lazy_lost", lazy.blocks_lost),
-                                 ("eager_lost", eager.blocks_lost), ("stale", lazy.stale_writes + blazy.stale_writes),
-                                 ("bw_lazy_lost", blazy.blocks_lost), ("bw_eager_lost", beager.blocks_lost),
-                                 ("bw_lazy_hits", blazy.hit_tokens), ("bw_eager_hits", beager.hit_tokens),
-                                 ("lazy_computed", lazy.computed_tokens), ("eager_computed", eager.computed_tokens),
-                                 ("bw_lazy_computed", blazy.computed_tokens),
-                                 ("bw_eager_computed", beager.computed_tokens),
-                                 ("lazy_writes", lazy.writes), ("lazy_rescues", lazy.rescues)):
-                        sums[k] += v
-    vs_eager, vs_budget = "eager write-through, same traces", "eager under the same copy budget"
-    report.add("bytes_written", sums["lazy_bytes"], "bytes", sums["eager_bytes"], vs_eager)
-    report.add("bytes_vs_oracle", sums["lazy_bytes"], "bytes", sums["oracle_bytes"] or None,
-               "offline oracle, same traces")
-    report.add("hit_tokens", sums["lazy_hits"], "tokens", sums["eager_hits"] or None, vs_eager)
-    report.add("blocks_lost", sums["lazy_lost"], "blocks", sums["eager_lost"], vs_eager)
-    # what a tier hit is for: tokens the engine did not compute (a policy can raise tier hits by
-    # evicting engine-cached blocks early, which costs compute; this figure shows it)
-    report.add("computed_tokens", sums["lazy_computed"], "tokens", sums["eager_computed"], vs_eager)
-    report.add("stale_writes", sums["stale"], "writes")
-    # copies made before a step's forward (blocks a burst took): on the forward's critical path
-    report.add("rescued_pages", sums["lazy_rescues"], "pages", sums["lazy_writes"] or None,
-               "pages lazy copied, same traces")
-    report.add("bw.blocks_lost", sums["bw_lazy_lost"], "blocks", sums["bw_eager_lost"] or None, vs_budget)
-    report.add("bw.hit_tokens", sums["bw_lazy_hits"], "tokens", sums["bw_eager_hits"] or None, vs_budget)
-    report.add("bw.computed_tokens", sums["bw_lazy_computed"], "tokens", sums["bw_eager_computed"], vs_budget)
-    _mooncake(report, seconds=60 if quick else 300)
+    """``directory``: where the generated traces are written and replayed from."""
+    seeds = (1, 2) if quick else tuple(range(1, 9))
+    scale, seconds = (1.0, 60.0) if quick else (3.0, 300.0)
+    why = available()
+    peer = why is None
+    report = Report("offload", params={"factors": FACTORS, "block_size": 32, "page_bytes": SMALL[0],
+                                       "page_bytes_8b": EIGHT_B[0], "gen": {"seeds": seeds, "scale": scale},
+                                       "mooncake": {"seconds": seconds, "step_ms": 40, "max_output": 32}})
+    if not peer:
+        report.params["lmcache_skipped"] = why
+    tasks = [Task("gen", s, f, scale, peer, directory) for s in seeds for f in FACTORS]
+    tasks += [Task("mooncake", 0, f, seconds, peer, directory) for f in FACTORS]
+    tasks.sort(key=lambda t: t.family != "mooncake")  # the long ones first
+    with multiprocessing.get_context("spawn").Pool(max(1, min(len(tasks), os.cpu_count() or 1))) as pool:
+        outcomes = pool.map(_run, tasks, chunksize=1)
+    gen = [o for o in outcomes if o.task.family == "gen"]
+    for name in ("gen", "mooncake"):
+        _family(report, name, [o for o in outcomes if o.task.family == name], peer)
+    _top(report, gen)
     running = 250 if quick else 1000
     big = simulate(_scale_trace(running, 2048, 48),
                    SimConfig(num_blocks=100_000, max_running=running, step_tokens=1 << 20), "lazy")
@@ -142,52 +225,25 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
     return report
 
 
-def _mooncake(report: Report, seconds: float) -> None:
-    """The real trace's family of figures (see the module docstring)."""
-    trace = mooncake(str(files(__package__).joinpath("traces/mooncake_conversation.jsonl.gz")), seconds=seconds)
-    ws = distinct_blocks(trace, 32)
-    report.params["mooncake"] = {"seconds": seconds, "requests": len(trace), "distinct_blocks": ws, "step_ms": 40,
-                                 "max_output": 32}
-    keys = ("lazy_bytes", "oracle_bytes", "lazy_hits", "eager_hits", "lazy_engine", "none_engine",
-            "bw_lazy_lost", "bw_eager_lost", "bw_lazy_hits", "bw_eager_hits", "peer_bytes", "peer_hits", "peer_engine")
-    sums = dict.fromkeys(keys, 0)
-    peer = available()
-    if peer is not None:
-        report.params["lmcache_skipped"] = peer
-    for f in FACTORS:
-        r = _budget(trace, ws, f, peer=peer is None)
-        none, eager, lazy, beager, blazy, oracle = r.none, r.eager, r.lazy, r.bw_eager, r.bw_lazy, r.oracle
-        if r.lmcache is not None:
-            sums["peer_bytes"] += r.lmcache.bytes_written
-            sums["peer_hits"] += r.lmcache.hit_tokens
-            sums["peer_engine"] += r.lmcache.engine_hit_tokens
-        tag = f"mooncake.{f:g}x"
-        report.add(f"{tag}.bytes_vs_oracle", lazy.bytes_written, "bytes", oracle or None, "offline oracle")
-        report.add(f"{tag}.hit_tokens", lazy.hit_tokens, "tokens", eager.hit_tokens or None, "eager, same trace")
-        report.add(f"{tag}.engine_hit_tokens", lazy.engine_hit_tokens, "tokens", none.engine_hit_tokens or None,
-                   "the run without offload")
-        log.info("%s: lazy %d B, eager %d B, oracle %d B; tier hits lazy %d eager %d; engine hits lazy %d none %d",
-                 tag, lazy.bytes_written, eager.bytes_written, oracle, lazy.hit_tokens, eager.hit_tokens,
-                 lazy.engine_hit_tokens, none.engine_hit_tokens)
-        for k, v in (("lazy_bytes", lazy.bytes_written), ("oracle_bytes", oracle), ("lazy_hits", lazy.hit_tokens),
-                     ("eager_hits", eager.hit_tokens), ("lazy_engine", lazy.engine_hit_tokens),
-                     ("none_engine", none.engine_hit_tokens), ("bw_lazy_lost", blazy.blocks_lost),
-                     ("bw_eager_lost", beager.blocks_lost), ("bw_lazy_hits", blazy.hit_tokens),
-                     ("bw_eager_hits", beager.hit_tokens)):
-            sums[k] += v
-    report.add("mooncake.bytes_vs_oracle", sums["lazy_bytes"], "bytes", sums["oracle_bytes"] or None,
-               "offline oracle, same runs")
-    report.add("mooncake.hit_tokens", sums["lazy_hits"], "tokens", sums["eager_hits"] or None, "eager, same runs")
-    report.add("mooncake.engine_hit_tokens", sums["lazy_engine"], "tokens", sums["none_engine"] or None,
-               "the runs without offload")
-    report.add("mooncake.bw.blocks_lost", sums["bw_lazy_lost"], "blocks", sums["bw_eager_lost"] or None,
-               "eager under the same copy budget")
-    if peer is None:
-        report.add("mooncake.lmcache_bytes_vs_oracle", sums["peer_bytes"], "bytes", sums["oracle_bytes"] or None,
-                   "offline oracle, same runs (LMCache 0.5.6's eviction-aware store queue)")
-        report.add("mooncake.lmcache_hit_tokens", sums["peer_hits"], "tokens", sums["eager_hits"] or None,
-                   "eager, same runs (LMCache 0.5.6's eviction-aware store queue)")
-        report.add("mooncake.lmcache_engine_hit_tokens", sums["peer_engine"], "tokens", sums["none_engine"] or None,
-                   "the runs without offload (LMCache 0.5.6's eviction-aware store queue)")
-    report.add("mooncake.bw.hit_tokens", sums["bw_lazy_hits"], "tokens", sums["bw_eager_hits"] or None,
-               "eager under the same copy budget")
+def _top(report: Report, gen: list[Outcome]) -> None:
+    """shared/BENCH.md's names: the generator's family summed."""
+    page = SMALL[0]
+    vs_eager, vs_link = "eager write-through, same traces", "eager under the same copy link"
+    report.add("bytes_written", _sum(gen, "lazy.writes") * page, "bytes", _sum(gen, "eager.writes") * page, vs_eager)
+    report.add("bytes_vs_oracle", _sum(gen, "lazy.writes") * page, "bytes", _sum(gen, "oracle") * page or None,
+               "offline oracle, same traces")
+    report.add("hit_tokens", _sum(gen, "lazy.hit_tokens"), "tokens", _sum(gen, "eager.hit_tokens") or None, vs_eager)
+    report.add("blocks_lost", _sum(gen, "lazy.blocks_lost"), "blocks", _sum(gen, "eager.blocks_lost"), vs_eager)
+    # what a tier hit is for: tokens the engine did not compute
+    report.add("computed_tokens", _sum(gen, "lazy.computed_tokens"), "tokens", _sum(gen, "eager.computed_tokens"),
+               vs_eager)
+    report.add("stale_writes", sum(_sum(gen, f"{p}.stale_writes") for p in ("lazy", "lazy8b", "bw_lazy")), "writes")
+    report.add("wasted_writes", _sum(gen, "lazy.wasted_writes"), "blocks", _sum(gen, "eager.wasted_writes"), vs_eager)
+    report.add("rescued_pages", _sum(gen, "lazy.rescues"), "pages", _sum(gen, "lazy.writes") or None,
+               "pages lazy copied, same traces")
+    report.add("bw.blocks_lost", _sum(gen, "bw_lazy.blocks_lost"), "blocks", _sum(gen, "bw_eager.blocks_lost") or None,
+               vs_link)
+    report.add("bw.hit_tokens", _sum(gen, "bw_lazy.hit_tokens"), "tokens", _sum(gen, "bw_eager.hit_tokens") or None,
+               vs_link)
+    report.add("bw.computed_tokens", _sum(gen, "bw_lazy.computed_tokens"), "tokens",
+               _sum(gen, "bw_eager.computed_tokens"), vs_link)

@@ -1,10 +1,9 @@
 """vLLM's ``BlockPool`` as the :class:`lmkv.offload.lazy.FreeQueue` the lazy offload policy reads.
 
 Hashes are vLLM's ``BlockHashWithGroupId`` bytes (block hash + 4-byte group id), so one
-pool shared by several cache groups is read as one queue. A protected block is
-``touch``-ed (its ref count holds it out of the free queue, the way a prefix hit
-does); released, it goes back to the head of the queue if it was due (its bytes
-are in lmkv now, so it is the cheapest block to reuse) or to the tail otherwise.
+pool shared by several cache groups is read as one queue. The queue is only read:
+lmkv never moves a block in it, so vLLM's own cache keeps exactly the blocks it
+would keep without lmkv (a planned block is copied in the step that plans it).
 
 The cached blocks a step's allocations take are noted as the queue hands them out
 (its ``popleft_n``, which only ``BlockPool.get_new_blocks`` calls, before the pool
@@ -16,7 +15,7 @@ failed load) are not noted: their bytes may be wrong.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 from lmkv.keys import EngineBlockKey
 
@@ -61,17 +60,3 @@ class VllmFreeQueue:
 
     def held(self, block_id: int) -> bool:
         return self.pool.blocks[block_id].ref_cnt > 0
-
-    def protect(self, block_ids: Sequence[int]) -> None:
-        self.pool.touch([self.pool.blocks[i] for i in block_ids])
-
-    def release(self, block_ids: Sequence[int], first: bool) -> None:
-        queue = self.pool.free_block_queue
-        back = []
-        for i in block_ids:
-            b = self.pool.blocks[i]
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:  # a block a request still holds stays out of the queue
-                back.append(b)
-        if back:
-            (queue.prepend_n if first else queue.append_n)(back)

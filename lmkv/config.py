@@ -123,7 +123,12 @@ class OffloadConfig(_Section):
     horizon_steps: float = Field(4.0, gt=0, description="lazy: steps of allocations the danger zone covers")
     ema_alpha: float = Field(0.2, gt=0, le=1, description="lazy: weight of the last step in the allocation rate")
     watermark_blocks: int = Field(16, ge=0, description="lazy: blocks always in the danger zone")
-    drain_bytes_per_step: ByteSize = Field(ByteSize(256 << 20), description="lazy: most bytes planned per step")
+    drain_link_share: float = Field(
+        0.5, gt=0, le=1, description="lazy: the share of a step's time the copies planned in it may take on the "
+        "copy link (the workers' measured copy rate x the forward's measured time: the same link time whatever "
+        "a page's size; the zone looks further ahead while this binds)")
+    drain_bytes_per_step: ByteSize | None = Field(
+        None, description="lazy: a fixed cap on the bytes planned per step instead of drain_link_share")
     link_bytes_per_step: ByteSize | None = Field(
         None, description="lazy: the copy link's capacity per step, where it is the bottleneck (it then "
         "replaces drain_bytes_per_step): what the danger zone leaves of it goes to early copies of freshly "
@@ -133,12 +138,14 @@ class OffloadConfig(_Section):
     min_family_requests: int = Field(
         16, ge=1, description="lazy: requests of a family (same first page) seen before judging its reuse")
     min_need_rate: float = Field(
-        0.2, ge=0, le=1, description="lazy, without a declared link: a block about to be reused is not "
-        "copied when blocks like it (as often used, the same kind of session, as long idle) were needed again from a "
-        "tier less often than this (0: copy every due block)")
+        0.1, ge=0, le=1, description="lazy, without a declared link: a block about to be reused is not copied "
+        "only when blocks like it (one-shot family or not, as often used, the same kind of session, as long idle) "
+        "were needed again from a tier less often than this at 95% confidence, as learned from what came back; "
+        "the default is a copy's cost against a recompute's (an 8B model's page over PCIe: ~1/10); 0: copy every "
+        "due block")
     min_reuse_rate: float = Field(
         0.1, ge=0, le=1, description="lazy: a family whose requests repeat most of an earlier prompt less "
-        "often than this is not copied (one-shot prompts)")
+        "often than this looks one-shot (a class of the need estimate; with a declared link, not copied)")
 
 
 class RemoteConfig(_Section):

@@ -42,16 +42,18 @@ def _policy(tier: set, **kw) -> LazyOffload:
 
 def test_danger_depth_follows_the_allocation_rate():
     p = _policy(set(), ema_alpha=0.5, horizon_steps=4)
-    assert p.danger_depth(0) == 0
+    assert p.danger_depth() == 0
     p.note_step(10)
-    assert p.danger_depth(3) == 4 * 5 + 3
+    assert p.danger_depth() == 4 * 5
     p.note_step(10)
-    assert p.danger_depth(0) == 4 * 7.5
+    assert p.danger_depth() == 4 * 7.5
     p.note_step(0)
-    assert p.danger_depth(0) == 15  # it decays when the engine allocates less
+    assert p.danger_depth() == 15  # it decays when the engine allocates less
 
 
-def test_only_the_danger_zone_is_planned_and_protected(engine):
+def test_only_the_danger_zone_is_planned_and_the_free_queue_is_left_as_it_was(engine):
+    """A planned block stays in the free queue (the workers copy it in the step that plans it, before
+    any later forward can write it): vLLM's cache evicts exactly what it would without lmkv."""
     mgr, queue, finish = engine
     chain = finish("a", list(range(3, 3 + 4 * BS)))  # 4 hashed blocks now free, tail first in eviction order
     tier: set = set()
@@ -60,19 +62,18 @@ def test_only_the_danger_zone_is_planned_and_protected(engine):
     p.note_step(1)  # depth 1: only the head of the queue is in danger
     free_before = mgr.block_pool.get_num_free_blocks()
     # the queue's head holds never-used (unhashed) blocks; the chain sits at its tail, out of danger
-    assert p.plan(queue, next_demand=0) == []
+    order = [h for _, h in queue.iter_free()]
+    assert p.plan(queue) == []
     p.note_step(200)  # a burst: everything is in danger
-    picks = p.plan(queue, next_demand=0)
+    picks = p.plan(queue)
     assert [x.block_hash for x in picks] == chain  # the whole chain, oldest page first (closure order)
-    assert mgr.block_pool.get_num_free_blocks() == free_before - len(chain)  # protected: out of the free queue
-    # snapshot: a protected block cannot be handed out, so its hash still matches when the copy runs
-    mgr.block_pool.get_new_blocks(mgr.block_pool.get_num_free_blocks())
-    assert all(queue.block_hash(x.block_id) == x.block_hash for x in picks)
+    assert not any(x.rescue for x in picks)  # still in the queue: copied during the step's forward
+    assert mgr.block_pool.get_num_free_blocks() == free_before and [h for _, h in queue.iter_free()] == order
+    assert all(queue.block_hash(x.block_id) == x.block_hash for x in picks)  # the snapshot holds this step
+    assert p.plan(queue) == []  # in flight: not planned twice
     tier.update(x.block_hash for x in picks)
-    p.done(picks, queue)
-    assert mgr.block_pool.get_num_free_blocks() == len(chain)  # released to the head: cheapest to reuse
-    # deepest page first, like an engine freeing a request: the chain's first page is reused last
-    assert [h for _, h in queue.iter_free()][: len(chain)] == chain[::-1]
+    p.done(picks)
+    assert not p.inflight and [h for _, h in queue.iter_free()] == order
 
 
 def test_prefix_closure_copies_cached_ancestors_and_skips_broken_chains(engine):
@@ -84,7 +85,7 @@ def test_prefix_closure_copies_cached_ancestors_and_skips_broken_chains(engine):
     p.note_step(200)
     picks = p.plan(queue)
     assert [x.block_hash for x in picks] == chain[1:]  # the first page is in lmkv already
-    p.done(picks, queue)
+    p.done(picks)
     # now break the chain: evict page 1 from the engine while lmkv lacks it
     p2 = _policy(set())
     p2.note_chain(chain)
@@ -110,7 +111,7 @@ def test_closure_stops_at_an_ancestor_a_running_request_holds(engine):
     p.note_step(200)
     picks = p.plan(queue)
     assert [x.block_hash for x in picks] == chain[2:]
-    p.done(picks, queue)
+    p.done(picks)
     mgr.free(running)
 
 
@@ -123,7 +124,7 @@ def test_drain_cap_takes_the_oldest_pages_first(engine):
     first = p.plan(queue)
     assert [x.block_hash for x in first] == chain[:2]
     assert p.stats.capped_steps == 1
-    p.done(first, queue)
+    p.done(first)
 
 
 @pytest.mark.parametrize("pages_per_step, expected", [(1.5, [1, 2, 1, 2]), (0.5, [0, 1, 0, 1]), (2, [2, 2, 2, 2])])
@@ -141,7 +142,7 @@ def test_a_cap_of_a_fraction_of_pages_is_kept_on_average(engine, pages_per_step,
         picks = p.plan(queue)
         counts.append(len(picks))
         tier.update(x.block_hash for x in picks)
-        p.done(picks, queue)
+        p.done(picks)
     assert counts == expected
     tier.clear()
     idle = _policy(tier, drain_bytes_per_step=int(pages_per_step * (1 << 20)))
@@ -176,10 +177,8 @@ def test_blocks_a_step_handed_out_are_rescued_before_its_forward(engine):
     assert [x.block_hash for x in picks] == a  # closure order: a[0] (still cached), then the rescued
     assert not by_hash[a[0]].rescue and by_hash[a[1]].rescue and by_hash[a[2]].rescue
     assert p.stats.rescued == 2
-    free = pool.get_num_free_blocks()
-    assert free == 2  # a[0] protected; b stays in the queue
-    p.done(picks, queue)
-    assert pool.get_num_free_blocks() == free + 1  # only a[0] comes back
+    assert pool.get_num_free_blocks() == 3  # a[0] and b stay in the queue
+    p.done(picks)
     # with a declared link (busy: a copy before the forward would wait behind it) nothing is rescued
     linked = _policy(set(), ema_alpha=0.01, link_bytes_per_step=1 << 30)
     linked.note_chain(b)
@@ -245,9 +244,9 @@ def test_with_a_declared_link_a_burst_makes_blocks_ahead_of_it_due(engine):
     taken = pool.get_new_blocks(4)  # a burst: takes the two chains in lmkv
     p.note_step(len(taken))
     picks = p.plan(queue)
-    assert p.burst_evicted == 4 and p.danger_depth(0) == 1
-    assert {x.block_hash for x in picks} == set(chains[2] + chains[3]) and all(x.due for x in picks)
-    p.done(picks, queue)
+    assert p.burst_evicted == 4 and p.danger_depth() == 1
+    assert {x.block_hash for x in picks} == set(chains[2] + chains[3])
+    p.done(picks)
     for _ in range(1000):
         p.note_step(0)
         p.plan(queue)
@@ -309,22 +308,28 @@ def test_simulator_lazy_writes_less_than_eager_and_never_stale():
     assert none.bytes_written == 0 and none.oracle_blocks
     assert lazy.bytes_written < eager.bytes_written
     assert lazy.stale_writes == 0
-    assert lazy.hit_tokens >= 0.9 * eager.hit_tokens
+    assert lazy.hit_tokens >= 0.97 * eager.hit_tokens
 
 
-def test_one_shot_families_are_not_copied(engine):
+def test_one_shot_families_are_a_class_and_with_a_link_not_copied(engine):
+    """A family (same first page) whose prompts never repeat the rest: with a declared link its blocks
+    are not copied; without one, its blocks are a class of their own for the need estimate (copied
+    until blocks like them are shown, in enough lineages, not to be needed)."""
     mgr, queue, finish = engine
     once = finish("once", list(range(3, 3 + 3 * BS)))
     kept = finish("kept", list(range(900, 900 + 3 * BS)))
-    p = _policy(set(), min_family_requests=3, min_reuse_rate=0.2)
-    p.note_chain(once)
-    for i in range(2):  # more prompts of the same family (first page), never repeating the rest
-        p.note_chain([once[0], bytes([i]) * 36, bytes([i + 9]) * 36])
-    for _ in range(3):  # the same prompt again and again: a family that repeats (never served from
-        p.note_chain(kept)  # cache here, which must not count against it)
-    p.note_step(200)
-    picks = p.plan(queue)
-    assert {x.block_hash for x in picks} == set(kept)
+    for link in (1 << 30, None):
+        p = _policy(set(), min_family_requests=3, min_reuse_rate=0.2, link_bytes_per_step=link)
+        p.note_chain(once)
+        for i in range(2):  # more prompts of the same family (first page), never repeating the rest
+            p.note_chain([once[0], bytes([i]) * 36, bytes([i + 9]) * 36])
+        for _ in range(3):  # the same prompt again and again: a family that repeats (never served from
+            p.note_chain(kept)  # cache here, which must not count against it)
+        p.note_step(200)
+        assert p.reuse.one_shot(once[1]) and not p.reuse.one_shot(kept[1])
+        picks = {x.block_hash for x in p.plan(queue)}
+        assert picks == (set(kept) if link else set(kept) | set(once))
+        assert p.reuse._class(once[2], p._step)[0] and not p.reuse._class(kept[2], p._step)[0]
 
 
 def test_a_declared_link_is_kept_busy_with_early_copies_of_fresh_blocks(engine):
@@ -346,11 +351,10 @@ def test_a_declared_link_is_kept_busy_with_early_copies_of_fresh_blocks(engine):
     busy.note_chain(fresh)
     busy.note_computed(fresh)
     picks = busy.plan(queue)
-    assert [x.block_hash for x in picks] == fresh[:3] and not any(x.due for x in picks)
-    assert all(mgr.block_pool.blocks[x.block_id].ref_cnt == 2 for x in picks)  # held by the request and the copy
+    assert [x.block_hash for x in picks] == fresh[:3] and busy.stats.filled == 3
+    assert all(mgr.block_pool.blocks[x.block_id].ref_cnt == 1 for x in picks)  # held by the request alone
     tier.update(x.block_hash for x in picks)
-    busy.done(picks, queue)
-    assert all(mgr.block_pool.blocks[x.block_id].ref_cnt == 1 for x in picks)
+    busy.done(picks)
     assert [x.block_hash for x in busy.plan(queue)] == fresh[3:]
 
 
@@ -374,18 +378,19 @@ def test_a_short_link_copies_due_blocks_before_fresh_ones(engine):
     p.note_step(200)  # a burst: every free block is in danger
     for expected in done:  # closure order: the chain's first page first
         picks = p.plan(queue)
-        assert [(x.block_hash, x.due) for x in picks] == [(expected, True)]
+        assert [x.block_hash for x in picks] == [expected] and p.stats.filled == 0
         tier.add(expected)
-        p.done(picks, queue)
+        p.done(picks)
     picks = p.plan(queue)  # nothing due is left: the link goes to the fresh blocks
-    assert [(x.block_hash, x.due) for x in picks] == [(fresh[0], False)]
+    assert [x.block_hash for x in picks] == [fresh[0]] and p.stats.filled == 1
 
 
 def test_without_a_link_blocks_seldom_needed_again_are_not_copied(engine):
     """A due block of a class that was seldom needed again (a question's tail: used once, in a
-    lineage that branches) is skipped; with a declared link its copy is made anyway (the link's
-    time is there to be spent)."""
-    from lmkv.offload.reuse import BRANCHES, MIN_EVIDENCE
+    lineage that branches), as observed in enough lineages for the 95% bound to be below
+    min_need_rate, is skipped; with a declared link its copy is made anyway (the link's time is
+    there to be spent)."""
+    from lmkv.offload.reuse import BRANCHES
 
     mgr, queue, finish = engine
     sys_, doc_a, doc_b = list(range(3, 3 + BS)), list(range(100, 100 + BS)), list(range(200, 200 + BS))
@@ -397,11 +402,10 @@ def test_without_a_link_blocks_seldom_needed_again_are_not_copied(engine):
         for c in chains:
             p.note_chain(c)
         p.note_step(200)  # a burst: everything is in danger
-        assert all(p.reuse._class(t, p._step)[:2] == (1, BRANCHES) for t in tails)
-        for t in tails:  # blocks like these (from as many lineages) were never needed again
-            c = p.reuse._class(t, p._step)
-            p.reuse.not_needed[c] = MIN_EVIDENCE
-            p.reuse._sources[c] = {bytes([i]) for i in range(MIN_EVIDENCE)}
+        assert all(p.reuse._class(t, p._step)[1:3] == (1, BRANCHES) for t in tails)
+        for t in tails:  # blocks like these, from 30 lineages, were never needed again
+            for i in range(30):
+                p.reuse.need.add(p.reuse._class(t, p._step), f"lineage{i}", needed=False)
         picks = p.plan(queue)
         copied = {x.block_hash for x in picks}
         assert chains[2][1] in copied  # doc B's body: no evidence against it
@@ -409,7 +413,7 @@ def test_without_a_link_blocks_seldom_needed_again_are_not_copied(engine):
             assert not tails & copied and p.stats.unlikely >= 2
         else:
             assert tails <= copied and p.stats.unlikely == 0
-        p.done(picks, queue)  # back in the free queue for the next policy
+        p.done(picks)  # back in the free queue for the next policy
 
 
 def test_the_mooncake_trace_replays_with_the_prefixes_it_shares():
@@ -462,3 +466,41 @@ def test_lmcaches_policy_replays_beside_lmkvs():
     assert peer_stale == 0
     assert 0 < peer_bytes <= eager_bytes
     assert peer_hits > 0
+
+
+@pytest.mark.parametrize("page_bytes", [256 << 10, 4 << 20])
+def test_the_drain_cap_is_link_time_whatever_the_page_size(page_bytes):
+    """Without a fixed cap a step plans drain_link_share of its time on the copy link at the workers'
+    measured rate (unbounded until measured), and never fewer pages than the step took."""
+    p = LazyOffload(OffloadConfig(policy="lazy", drain_link_share=0.5), page_bytes, set().__contains__)
+    assert p.measured_cap and p.budget.refill() > 1 << 30
+    p.observe_copies(25e9, 0.04)  # 25 GB/s, 40 ms steps: 500 MB a step
+    assert p.budget.bytes_per_step == int(0.5 * 25e9 * 0.04)
+    p.budget.credit = 0
+    assert p.budget.refill() == int(0.5 * 25e9 * 0.04) // page_bytes
+    fixed = LazyOffload(OffloadConfig(policy="lazy", drain_bytes_per_step=1 << 20), page_bytes, set().__contains__)
+    fixed.observe_copies(25e9, 0.04)
+    assert not fixed.measured_cap and fixed.budget.bytes_per_step == 1 << 20
+
+
+def test_a_step_may_copy_as_many_blocks_as_it_took(engine):
+    """A burst's step takes more blocks than a lagging measure of link time allows: it may still copy
+    as many as it took (computing them took longer than copying them out)."""
+    mgr, queue, finish = engine
+    chain = finish("a", list(range(3, 3 + 6 * BS)))
+    mgr.block_pool.get_new_blocks(mgr.block_pool.get_num_free_blocks() - 6)  # the chain at the queue's head
+    p = _policy(set())
+    p.observe_copies(1 << 20, 1.0)  # one 1 MiB page a step by link time
+    p.note_chain(chain)
+    p.note_step(4)  # the step took four blocks
+    assert len(p.plan(queue)) == 4
+
+
+def test_the_simulator_tells_lazy_what_the_connector_does_and_costs_the_engine_nothing():
+    """The engine's own prefix-cache hits with lazy offload are exactly those without offload (the
+    policy never moves a block in the free queue), and every planned block is copied intact."""
+    trace = generate("mixed", seed=4, scale=0.5)
+    cfg = SimConfig(num_blocks=max(256, distinct_blocks(trace, 32) // 2))
+    none, lazy = simulate(trace, cfg, "none"), simulate(trace, cfg, "lazy")
+    assert lazy.engine_hit_tokens == none.engine_hit_tokens > 0
+    assert lazy.stale_writes == 0 and lazy.writes > 0 and lazy.need_classes

@@ -1,6 +1,9 @@
-"""The lazy policy's reuse model: lineages, and the learned chance of a block being needed again."""
+"""The lazy policy's reuse model (lineages, classes, outcomes) and its need estimate (confidence bounds)."""
 
-from lmkv.offload.reuse import BRANCHES, EXTENDS, MIN_EVIDENCE, MIN_WATCH_STEPS, SINGLE, ReuseModel, idle_bucket
+import pytest
+
+from lmkv.offload.need import WINDOW, Counts, NeedEstimate, upper_bound
+from lmkv.offload.reuse import BRANCHES, EXTENDS, MIN_WATCH_STEPS, SINGLE, ReuseModel, idle_bucket
 
 
 def chain(*names: str) -> list[bytes]:
@@ -13,128 +16,157 @@ def note(m: ReuseModel, hashes: list[bytes], cached: int = 0, step: int = 0) -> 
     m.note_request(hashes, cached, step)
 
 
+def model(remembered: int = 1000, rate: float = 0.1) -> ReuseModel:
+    return ReuseModel(remembered, rate, min_family_requests=16, min_reuse_rate=0.1)
+
+
 SYSTEM = ["sys0", "sys1"]
 
 
+def test_the_upper_bound_is_wilsons_and_tightens_only_with_observations():
+    assert upper_bound(0.0, 0) == 1.0
+    assert upper_bound(0.0, 1) == pytest.approx(1.645**2 / (1 + 1.645**2))
+    bounds = [upper_bound(0.0, n) for n in (5, 20, 100, 1000)]
+    assert bounds == sorted(bounds, reverse=True) and bounds[-1] < 0.003
+    assert upper_bound(0.2, 400) == pytest.approx(0.2349, abs=1e-4)  # (Wilson, z = 1.645)
+    assert upper_bound(0.2, 10) > 0.4  # the same rate from a few observations proves little
+    assert Counts(needed=1, blocks=100, sources=1).bound > 0.7  # one lineage's hundred blocks: one observation
+
+
+def test_a_class_is_skipped_only_with_enough_independent_evidence():
+    est = NeedEstimate(min_need_rate=0.1)
+    for i in range(20):  # 20 lineages, none needed: the bound (~0.12) is still above 0.1
+        est.add("c", f"lineage{i}", needed=False)
+    assert not est.skip("c")
+    for j in range(200):  # many more blocks of the same lineages: no new observation
+        est.add("c", f"lineage{j % 20}", needed=False)
+    assert est.counts["c"].sources == 20 and not est.skip("c")
+    for i in range(20, 40):
+        est.add("c", f"lineage{i}", needed=False)
+    assert est.skip("c")
+    assert not est.skip("unseen")
+    for i in range(40, 60):  # blocks of it start being needed: 7 of 260 blocks (the bound is ~0.08)
+        est.add("c", f"lineage{i}", needed=i % 3 == 0)
+    assert est.skip("c")
+    for i in range(60, 80):
+        est.add("c", f"lineage{i}", needed=True)
+    assert not est.skip("c")  # 27 of 280 needed: ~1/10 is not below 1/10
+    assert not NeedEstimate(min_need_rate=0.0).skip("c")
+
+
+def test_evidence_is_a_window_not_a_lifetime():
+    est = NeedEstimate(min_need_rate=0.1)
+    for i in range(WINDOW):
+        est.add("old", f"l{i}", needed=False)
+    assert est.skip("old")
+    for i in range(WINDOW):  # the classes go on being observed: the old counts fade
+        est.add("new", f"m{i}", needed=True)
+    k = est.counts["old"]
+    assert k.sources <= WINDOW / 2 and k.blocks <= WINDOW / 2
+    for i in range(WINDOW // 8):  # the old class's blocks are needed again now: it is copied again
+        est.add("old", f"n{i}", needed=True)
+    assert not est.skip("old")
+
+
 def test_agent_turns_extend_and_document_questions_branch():
-    m = ReuseModel(remembered=100)
+    m = model(100)
     note(m, chain(*SYSTEM, "a0", "a1"))  # an agent's first turn
     note(m, chain(*SYSTEM, "d0", "d1", "q0"))  # a document's first question: the family's shared pages shrink
     note(m, chain(*SYSTEM, "a0", "a1", "out", "a2"))  # the agent's next turn continues the whole first one
     note(m, chain(*SYSTEM, "d0", "d1", "q1"))  # another question leaves the first at the document's end
     note(m, chain(*SYSTEM, "d0", "d1", "q2"))
-    kind = lambda h: m._class(h.encode(), 0)[1]  # noqa: E731
+    kind = lambda h: m._class(h.encode(), 0)[2]  # noqa: E731
     assert kind("a2") == EXTENDS and kind("d1") == BRANCHES and kind("q2") == BRANCHES
     assert kind("sys0") == SINGLE  # the family's shared pages belong to no lineage
-    assert m._class(b"d0", 0)[0] == 3 and m._class(b"q0", 0)[0] == 1  # uses: the body thrice, a question's tail once
+    assert m._class(b"d0", 0)[1] == 3 and m._class(b"q0", 0)[1] == 1  # uses: the body thrice, a question's tail once
+    assert m._class(b"never-admitted", 0)[1] == 0  # decoding filled it
 
 
-def test_the_estimate_needs_evidence_and_learns_from_outcomes():
-    m = ReuseModel(remembered=100)
-    tails = [chain(*SYSTEM, f"doc{i}", f"q{i}") for i in range(MIN_EVIDENCE)]
+def test_outcomes_settle_on_the_class_horizon_and_late_successes_correct_them():
+    m = model()
+    tails = [chain(*SYSTEM, f"doc{i}", f"q{i}") for i in range(4)]
     for c in tails:
         note(m, c)
-    # the same class, watched near eviction: nothing settled yet, so no estimate
-    assert all(m.watch(c[-1], step=0) is None for c in tails)
+    cls = {m.watch(c[-1], step=0) for c in tails}
+    assert len(cls) == 1
+    (c,) = cls
+    assert c not in m.need.counts  # nothing settled yet
     m.settle(MIN_WATCH_STEPS + 1)  # nobody asked for them within the horizon: not needed
-    assert m.watch(b"new", step=MIN_WATCH_STEPS + 1) is None  # another class: still no evidence
-    note(m, chain(*SYSTEM, "docX", "qX"), step=MIN_WATCH_STEPS + 2)
-    p = m.watch(b"qX", step=MIN_WATCH_STEPS + 2)
-    assert p is not None and p < 0.2
-    # one of them is asked for after all, beyond what the engine holds: a late success, the
-    # horizon of its class grows (and only of its class)
+    k = m.need.counts[c]
+    assert (k.needed, k.blocks, k.sources) == (0, 4, 4)
+    # one is asked for after all, beyond what the engine holds: a late success, the horizon of its
+    # class grows (and only of its class)
     note(m, tails[0], cached=2, step=10 * MIN_WATCH_STEPS)
-    c = (1, SINGLE, 0)
-    assert m.needed[c] == 1 and m.not_needed[c] == MIN_EVIDENCE - 1
+    assert (k.needed, k.blocks) == (1, 4)
     assert m.horizon[c] >= 2 * (10 * MIN_WATCH_STEPS) and len(m.horizon) == 1
 
 
-def test_one_lineage_s_many_blocks_are_one_observation():
-    """A document's body settles a hundred blocks at once: evidence for an estimate takes outcomes
-    from MIN_EVIDENCE lineages, not MIN_EVIDENCE blocks of one."""
-    m = ReuseModel(remembered=100)
-    note(m, chain(*SYSTEM, "other"))
-    bodies = [chain(*SYSTEM, *(f"doc{i}-{j}" for j in range(50))) for i in range(MIN_EVIDENCE)]
-    note(m, bodies[0])
-    for h in bodies[0][2:]:
-        m.watch(h, 0)
-    m.settle(MIN_WATCH_STEPS + 1)
-    c = m._class(bodies[0][-1], 0)  # as they were when watched
-    assert m.not_needed[c] == 50 and m.estimate(c) is None
-    for step, b in enumerate(bodies[1:], start=MIN_WATCH_STEPS + 2):
-        note(m, b, step=step)
-        m.watch(b[-1], step)
-    m.settle(3 * MIN_WATCH_STEPS)
-    assert m.estimate(c) < 0.2
-
-
-def test_a_branching_lineage_s_tails_are_not_continued():
-    """A document's next question leaves the previous one's tail (and answer): once lineages that had
-    branched went on branching, a block only one request used in such a lineage is unlikely to be
-    read again; the document's body (used by every question) is not judged by this."""
-    m = ReuseModel(remembered=100)
-    note(m, chain(*SYSTEM, "other"))
-    for d in range(MIN_EVIDENCE):
-        for q in range(3):
-            note(m, chain(*SYSTEM, f"d{d}", f"body{d}", f"q{d}-{q}"), step=10 * q)
-            m.finish(chain(*SYSTEM, f"d{d}", f"body{d}", f"q{d}-{q}", f"a{d}-{q}"), 10 * q + 5)
-    assert m.continued(b"q0-2", b"q0-2") < 0.2
-    assert m.continued(b"a0-2", b"q0-2") < 0.2  # an answer (in no lineage) judged by its question's
-    assert m.continued(b"body0", b"body0") is None  # used by every question
-    note(m, chain(*SYSTEM, "agent", "t0"), step=100)
-    m.finish(chain(*SYSTEM, "agent", "t0", "out0"), 105)
-    note(m, chain(*SYSTEM, "agent", "t0", "out0", "t1"), step=110)  # it extends
-    assert m.continued(b"t1", b"t1") is None
+def test_a_block_has_one_outcome_until_a_request_uses_it_again():
+    """The policy looks at a block near eviction every step: each look is not another observation."""
+    m = model()
+    c = chain(*SYSTEM, "a0", "a1")
+    note(m, c)
+    for step in range(0, 3 * MIN_WATCH_STEPS, 7):
+        m.watch(b"a1", step)
+        m.settle(step)
+    k = m.need.counts[m._class(b"a1", 0)]
+    assert k.blocks == 1 and k.needed == 0
+    note(m, c, cached=2, step=3 * MIN_WATCH_STEPS)  # used again (needed from a tier): a new episode
+    assert k.needed == 1 and k.blocks == 1
+    m.watch(b"a1", 3 * MIN_WATCH_STEPS + 1)
+    assert b"a1" in m._watched
 
 
 def test_a_block_the_engine_still_held_was_not_needed_from_a_tier():
-    m = ReuseModel(remembered=100)
+    m = model()
     c = chain(*SYSTEM, "a0", "a1")
     note(m, c)
-    m.watch(b"a1", step=1)
+    first = m.watch(b"a1", step=1)
     note(m, c, cached=len(c), step=2)  # revived from the engine's own cache: a copy would have been wasted
-    assert m.not_needed[(1, SINGLE, 0)] == 1 and m.needed[(1, SINGLE, 0)] == 0
-    m.watch(b"a1", step=3)
+    assert m.need.counts[first].needed == 0 and m.need.counts[first].blocks == 1
+    second = m.watch(b"a1", step=3)
     note(m, c, cached=2, step=4)  # evicted meanwhile: needed from a tier
-    assert m.needed[(2, SINGLE, 0)] == 1
+    assert second != first and m.need.counts[second].needed == 1  # (used twice now: another row)
+
+
+def test_a_decoded_page_counts_for_its_request_s_lineage():
+    """An answer's pages belong to no lineage (no prompt named them), but their outcomes are
+    observations of their request's lineage: a document's ten answer pages are one, not ten."""
+    m = model()
+    note(m, chain(*SYSTEM, "other"))
+    note(m, chain(*SYSTEM, "doc", "q"))
+    answer = [f"ans{i}" for i in range(10)]
+    m.finish(chain(*SYSTEM, "doc", "q", *answer), 5)
+    for a in answer:
+        m.watch(a.encode(), 6)
+    m.settle(6 + MIN_WATCH_STEPS + 1)
+    k = m.need.counts[(False, 0, SINGLE, idle_bucket(1))]
+    assert k.blocks == 10 and k.sources == 1
 
 
 def test_one_shot_families_and_forgetting():
-    m = ReuseModel(remembered=2)
+    m = ReuseModel(2, 0.1, min_family_requests=8, min_reuse_rate=0.1)
     for i in range(10):
         note(m, chain("stream-sys", f"p{i}a", f"p{i}b"))
-    assert m.one_shot(b"p3a", min_requests=8, min_rate=0.1)
-    assert not m.one_shot(b"p3a", min_requests=16, min_rate=0.1)  # not enough requests to judge
+    assert m.one_shot(b"p3a") and m._class(b"p3a", 0)[0]
+    assert not ReuseModel(2, 0.1, min_family_requests=16, min_reuse_rate=0.1).one_shot(b"p3a")
     assert len(m._lineages) == 2  # bounded
     for i in range(5):  # one-shot prompts without a shared first page: one family each, bounded too
         note(m, chain(f"alone{i}", "x"))
     assert len(m._families) == 2
     m.forget(b"p3a")
-    assert not m.one_shot(b"p3a", min_requests=8, min_rate=0.1)  # a block it no longer knows
-
-
-def test_sessions_waited_for_are_bounded_by_the_lineages_remembered():
-    m = ReuseModel(remembered=3)
-    note(m, chain(*SYSTEM, "other"))
-    for s in range(10):  # agent sessions that end after two turns
-        first = [*SYSTEM, f"s{s}", f"s{s}t0"]
-        note(m, chain(*first), step=10 * s)
-        m.finish(chain(*first, f"s{s}out0"), 10 * s + 1)
-        note(m, chain(*first, f"s{s}out0", f"s{s}t1"), cached=4, step=10 * s + 2)
-        m.finish(chain(*first, f"s{s}out0", f"s{s}t1", f"s{s}out1"), 10 * s + 3)
-    assert m._reached[0] == 10  # every one waited for its next turn
-    assert len(m._bucket) <= 3 and sum(len(f) for f in m._idle) == len(m._bucket)
-
+    assert not m.one_shot(b"p3a")  # a block it no longer knows
 
 
 def test_idle_time_separates_a_session_between_turns_from_one_that_ended():
     """Blocks are classed by how long ago a request used them: an agent's blocks near eviction
     during a tool call (needed by the next turn) and long after its last turn (never needed)
-    learn apart, each class settling on its own horizon."""
+    learn apart, each class settling on its own horizon, and only the second is skipped."""
     assert [idle_bucket(i) for i in (0, 15, 16, 31, 32, 100, 1000, 10**6)] == [0, 0, 1, 1, 1, 2, 3, 4]
-    m = ReuseModel(remembered=1000)
+    m = model()
     note(m, chain(*SYSTEM, "another"))  # the family's shared pages: the system prompt
-    for s in range(MIN_EVIDENCE):
+    sessions = 40
+    for s in range(sessions):
         t0 = 10_000 * s
         first, second = chain(*SYSTEM, f"s{s}a", "x"), chain(*SYSTEM, f"s{s}a", "x", f"s{s}b", "y")
         note(m, first, step=t0)
@@ -143,65 +175,43 @@ def test_idle_time_separates_a_session_between_turns_from_one_that_ended():
         note(m, second, cached=2, step=t0 + 4000)  # a slow next turn needs it from a tier
         m.finish(second, t0 + 4005)  # the last turn finishes
         m.watch(f"s{s}b".encode(), t0 + 4005 + 600)  # near eviction long after
-        m.settle(t0 + 4005 + 600 + MIN_WATCH_STEPS + 1)  # settled although the other class waits longer
-    assert m.needed[(1, SINGLE, 0)] == MIN_EVIDENCE and m.horizon[(1, SINGLE, 0)] >= 2 * 3990
-    assert m.not_needed[(1, EXTENDS, idle_bucket(600))] == MIN_EVIDENCE
-    note(m, chain(*SYSTEM, "n", "z"), step=10**6)
-    assert m.watch(b"n", 10**6 + 3) > 0.8
-    m.finish(chain(*SYSTEM, "n", "z"), 10**6 + 5)
-    note(m, chain(*SYSTEM, "n", "z", "m"), step=10**6 + 10)  # the lineage extends
-    assert m.watch(b"m", 10**6 + 10 + 600) < 0.2
-
-
-def test_an_agent_session_idle_far_longer_than_its_turns_gaps_has_ended():
-    """The chance of another turn is learned from every session's gaps between requests (not only
-    from blocks near eviction): sessions whose turns came within 20 steps and that then fell
-    silent teach that one idle for 600 steps has ended, and one idle for 5 has not. No horizon
-    is waited out: a session still silent counts as not back (yet)."""
-    m = ReuseModel(remembered=1000)
-    note(m, chain(*SYSTEM, "another"))
-    step = 0
-    for s in range(2 * MIN_EVIDENCE):
-        history = [*SYSTEM, f"s{s}"]
-        for t in range(5):  # five turns, each continuing the whole previous one and its answer
-            history = history + [f"s{s}t{t}"]
-            note(m, chain(*history), cached=len(history) - 1, step=step)
-            history = history + [f"s{s}out{t}"]
-            m.finish(chain(*history), step + 5)  # the turn finishes; the next comes 10-14 steps later
-            step += 15 + t
-            m.settle(step)
-    last = [*SYSTEM, "s1", "s1t0", "s1out0", "s1t1", "s1out1", "s1t2", "s1out2", "s1t3", "s1out3", "s1t4"]
-    block = last[-1].encode()
-    # fewer than MIN_EVIDENCE sessions have been silent this long: judged as the longest idle enough were
-    assert m.another_turn(block, step) < 0.2
-    m.settle(step + 2000)
-    assert m.another_turn(block, step + 2000) < 0.2
-    m.settle(step + 3000)
-    late = [*last, "s1out4", "late"]
-    note(m, chain(*late), cached=len(late) - 1, step=step + 3000)  # one comes back after all, 3000 steps on
-    assert 0.1 < m.another_turn(b"s2t4", step + 3000) < 0.3  # 1 of the 8 seen idle that long
-    step += 4000
-    live = [*SYSTEM, "live", "livet0"]
-    note(m, chain(*live), step=step)
-    m.finish(chain(*live, "liveout0"), step + 5)
-    note(m, chain(*live, "liveout0", "livet1"), cached=3, step=step + 10)  # it extends: an agent-like session
-    m.finish(chain(*live, "liveout0", "livet1", "liveout1"), step + 15)
-    assert m.another_turn(b"livet1", step + 20) > 0.6  # four of every five sessions idle 4-7 steps came back
-    note(m, chain(*SYSTEM, "doc", "q0"), step=step + 100)
-    m.finish(chain(*SYSTEM, "doc", "q0", "a0"), step + 105)
-    note(m, chain(*SYSTEM, "doc", "q1"), step=step + 110)  # it branches: a document's questions
-    assert m.another_turn(b"doc", step + 1000) is None
+        # settled on the horizon reuses have shown (a turn 4000 steps on: 4096), though the class
+        # of the tool call's blocks has waited longer than that for its successes
+        m.settle(t0 + 4005 + 600 + 4096 + 1)
+    m.settle(10_000 * sessions + 10**5)  # (the system prompt's reuses, 6000 steps apart, lengthen the horizon)
+    during, after = (False, 1, SINGLE, 0), (False, 1, EXTENDS, idle_bucket(600))
+    assert m.need.counts[during].needed == sessions and m.horizon[during] >= 2 * 3990
+    assert m.need.counts[after].needed == 0 and m.need.counts[after].sources == sessions
+    assert m.need.skip(after) and not m.need.skip(during)
 
 
 def test_a_request_beside_a_running_one_is_not_its_next_turn():
     """A lineage's next request that arrives while its latest still runs (two questions on one
     document at once) branches, even when its prompt holds all the running one's pages: an agent's
     next turn waits for the answer and continues it."""
-    m = ReuseModel(remembered=100)
+    m = model(100)
     note(m, chain(*SYSTEM, "other"))
     note(m, chain(*SYSTEM, "doc0", "doc1"), step=0)  # the question fits in the document's last partial page
     note(m, chain(*SYSTEM, "doc0", "doc1", "q1"), step=3)
-    assert m._class(b"doc1", 3)[1] == BRANCHES
+    assert m._class(b"doc1", 3)[2] == BRANCHES
     m.finish(chain(*SYSTEM, "doc0", "doc1", "q1", "a1"), 8)
     note(m, chain(*SYSTEM, "doc0", "doc1", "q2"), step=20)  # after it finished, but not continuing its answer
     assert m._lineages[b"doc0"].branches == 2 and m._lineages[b"doc0"].extends == 0
+
+
+def test_no_miss_is_settled_before_most_reuses_would_have_come():
+    """Blocks nobody asked for yet are not counted as not needed while 95% of the prefixes seen
+    coming back took longer than they have waited: a class is not judged before its blocks could
+    have returned (the bias that made a slow return look like no return)."""
+    m = model()
+    note(m, chain(*SYSTEM, "other"))
+    for i in range(20):  # prefixes that came back after ~3000 steps
+        note(m, chain(*SYSTEM, f"p{i}"), step=0)
+        note(m, chain(*SYSTEM, f"p{i}", "more"), cached=2, step=3000)
+    assert m._reuse_horizon() == 4096
+    note(m, chain(*SYSTEM, "w", "x"), step=3000)
+    c = m.watch(b"x", 3000)
+    m.settle(3000 + MIN_WATCH_STEPS + 1)
+    assert c not in m.need.counts  # still waiting
+    m.settle(3000 + 4096 + 1)
+    assert m.need.counts[c].blocks == 1 and m.need.counts[c].needed == 0

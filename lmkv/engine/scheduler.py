@@ -47,6 +47,7 @@ from lmkv.keys import ChainHash, EngineBlockKey, KeySpace, PageKey, page_key
 from lmkv.layout import GroupLayout, Growth
 from lmkv.lookup import Lookup
 from lmkv.offload.lazy import FreeQueue, LazyOffload, Pick
+from lmkv.tiers.link import COPY_OUT
 
 #: engine block id that marks "no block" (vLLM's null block; skipped windows)
 NULL_BLOCK = 0
@@ -227,10 +228,14 @@ class OffloadScheduler:
         return fetch > self.max_stall * step
 
     def observe(self, link_rates: dict[str, float], layer_compute_s: float | None) -> None:
-        """The workers' latest measures (from their step reports)."""
+        """The workers' latest measures (from their step reports); the copy-out rate and the forward's
+        time set lazy offload's drain cap."""
         self.link_rates.update(link_rates)
         if layer_compute_s is not None:
             self.layer_compute_s = layer_compute_s
+        copy = self.link_rates.get(COPY_OUT)
+        if self.lazy is not None and copy is not None and self.layer_compute_s is not None:
+            self.lazy.observe_copies(copy, self.layer_compute_s * sum(lay.num_layers for lay in self.groups))
 
     def _unquarantined(self, chains: Sequence[ChainHash], start: int, end: int) -> int:
         """The first page in ``[start, end)`` whose load failed recently (or ``end``)."""
@@ -367,7 +372,7 @@ class OffloadScheduler:
         """Release last step's copies (the workers ran them), then plan this step's: blocks the step
         handed out go to ``plan.rescues`` (copied before the forward), the rest to ``plan.stores``."""
         assert self.lazy is not None and self._pool is not None
-        self.lazy.done(self._inflight, self._pool)
+        self.lazy.done(self._inflight)
         self.lazy.note_step(allocated)
         self._inflight = self.lazy.plan(self._pool)
         by_group: dict[tuple[bool, int], tuple[list[ChainHash], list[int]]] = {}

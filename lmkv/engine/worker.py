@@ -196,6 +196,10 @@ class LayerwiseTransfer:
         self._loads: dict[int, _GroupLoad] = {}
         self._stores: dict[int, _GroupStore] = {}
         self._session: StoreSession | None = None
+        #: this step's copies out of engine blocks: bytes and seconds spent on them (lazy offload's drain
+        #: cap is a share of the link's time: the scheduler is told the rate)
+        self._copied_bytes = 0
+        self._copy_s = 0.0
         self._errors: set[int] = set()
         self._failed_chains: list[ChainHash] = []
         self._failed_lock = threading.Lock()
@@ -520,7 +524,10 @@ class LayerwiseTransfer:
         st = self._stores.get(g)
         if st is None or layer in st.done_layers:
             return
+        t0 = time.perf_counter()
         self.layers[g][layer].gather(st.runs, self.groups[g].layer_range(layer)[0])
+        self._copy_s += time.perf_counter() - t0
+        self._copied_bytes += len(st.keys) * self.groups[g].layer_stride
         st.done_layers.add(layer)
 
     def before_layer(self, name: str) -> None:
@@ -554,7 +561,11 @@ class LayerwiseTransfer:
                 # The forward ran without (some of) these layers loaded: recompute those tokens.
                 self._errors.update(load.block_ids)
         if copied:
+            t0 = time.perf_counter()
             self._sync()  # the GPU's queued copies have read and written the host pages
+            if self._copied_bytes:
+                self.store.link.copied(self._copied_bytes, self._copy_s + time.perf_counter() - t0)
+        self._copied_bytes, self._copy_s = 0, 0.0
         for g, load in self._loads.items():
             self._fetched(g, load).release()
         self._loads = {}

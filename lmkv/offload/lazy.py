@@ -6,9 +6,9 @@ first. Writing every computed block to lmkv (eager write-through) spends copy
 bandwidth on blocks that are revived by a prefix hit or never evicted at all.
 The lazy policy looks only at the *danger zone* at the head of the queue:
 
-- **danger depth** = EMA of blocks allocated per step x ``horizon_steps`` + the next
-  step's known demand + ``watermark_blocks``: what the engine will take before
-  the copies planned now have finished;
+- **danger depth** = EMA of blocks allocated per step x ``horizon_steps`` +
+  ``watermark_blocks``: what the engine will take in the next steps (the connector is
+  not told the next step's demand, so neither is the policy in the simulator);
 - **rescue**: a step that takes more than that (a burst of long new prompts) takes
   cached blocks the zone did not reach. The engine hands them to the step's requests,
   but their bytes stay as they were until the step's forward writes them, so the
@@ -22,16 +22,23 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
   (measured: rescues under a link at half eager's rate lost 1.16x as many blocks on one
   seed of four, no fewer on the others). The largest burst lately (as many cached
   blocks as it took, fading over a few hundred steps) is due ahead of it instead;
-- **snapshot**: a planned block's hash is recorded when it is chosen, and the block
-  is **protected** (pulled out of the free queue) until its copy is done, so the
-  engine cannot hand it out and the copy can never store stale bytes;
+- **no cost to the engine's cache**: a planned block stays where it is in the free
+  queue. Its copy is made in the step that plans it (during the forward; a rescue
+  before it), and only a later step's forward can write a block still in the free
+  queue, so the copy can never store stale bytes and the engine evicts exactly what it
+  would have evicted without lmkv (releasing copied blocks to the queue's head cost
+  vLLM 1.3-3% of its own prefix-cache hits, measured);
 - **prefix closure**: a page is only useful if every page before it in its chain is
   reachable too, so a block's cached ancestors that lmkv lacks are copied first, and
   a block whose ancestor is gone from both the engine and lmkv is not copied at all;
   the walk up stops at an ancestor a running request holds (a shared system prompt):
   it is not at risk, and it is judged like any block once freed and near reuse;
-- **drain cap**: at most ``drain_bytes_per_step`` are planned per step (on average: a
-  fraction of a page is carried over to the next step), the blocks
+- **drain cap**: a step plans at most ``drain_link_share`` of its time on the copy link
+  (the workers' measured copy rate x the forward's measured time; or a fixed
+  ``drain_bytes_per_step``), on average (a fraction of a page is carried over to the
+  next step), so the cap is the same link time for 256 KiB and 4 MiB pages, and never
+  fewer pages than the step took (a burst's step computes them: copying them out takes
+  less than that); the blocks
   nearest the head first (the first to be lost); while the cap binds, the zone grows
   (up to ``1 + LOOKAHEAD_GAIN`` times: in effect the whole queue), so copies start
   earlier and use the link's idle steps instead of losing blocks at the head; the walk
@@ -39,23 +46,20 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
   (Taking the most-used prefixes first instead lost 1.14x as many blocks under a tight
   link: a much-used block is often one that its requests are done with, such as a
   document after its last question.)
-- **families**: requests that start with the same page (one application's system
-  prompt) behave alike. A family whose requests, after ``min_family_requests`` of
-  them, almost never repeat most of an earlier prompt (a stream of one-shot
-  prompts) has its blocks skipped: copying them would be wasted. Repetition is
-  judged on what was seen, not on what was served from cache, so skipping copies
-  can never make a family look one-shot;
-- **need estimate**: without a declared link, a due block is skipped when blocks like
-  it (as often used; in an agent-like session, a document-like one, or a single
-  request; as long idle) were needed again from a tier less often than
-  ``min_need_rate``, learned from what came back (:mod:`lmkv.offload.reuse`): a question's
-  tail is never asked again. A block of an agent-like session is also skipped when
-  sessions idle as long as it has been seldom got another turn (learned from every
-  session's gaps between turns): its session has ended. A block only one request used
-  in a lineage that branches (a question's tail or answer: the next question leaves
-  it) is skipped when such lineages seldom continued their latest request; copying it
-  would copy the document's body with it, by prefix closure, long before the body
-  itself is due (a body the engine may keep until its next question).
+- **need estimate** (without a declared link): a due block is skipped only where the
+  evidence is strong that blocks like it are not needed again. Blocks are classed by
+  what the engine sees (:mod:`lmkv.offload.reuse`: whether the family looks one-shot,
+  how many requests used the block, whether its session extends or branches, how long
+  it has been idle); each class's chance of being needed is learned online, a lineage's
+  many blocks one observation, and a class is skipped only when the 95% upper confidence
+  bound of that chance is below ``min_need_rate`` (0.1: a copy's cost against a
+  recompute's, :mod:`lmkv.offload.need`). In doubt, copy: a skipped copy that is needed
+  costs a recompute, far dearer than the copy.
+- **families** (with a declared link): the link's time is spent anyway, on the blocks
+  nearest eviction, except those of a family whose requests, after ``min_family_requests``
+  of them, almost never repeat most of an earlier prompt (a stream of one-shot prompts).
+  Repetition is judged on what was seen, not on what was served from cache, so skipping
+  copies can never make a family look one-shot.
 
 Only the danger zone is walked each step (O(depth), not O(blocks)), and only until the
 step's copies are planned. The engine side is the :class:`FreeQueue` protocol;
@@ -74,7 +78,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from lmkv.config import OffloadConfig
@@ -96,13 +100,6 @@ class FreeQueue(Protocol):
     def held(self, block_id: int) -> bool:
         """Whether a running request holds the block (it is out of the free queue)."""
 
-    def protect(self, block_ids: Sequence[int]) -> None:
-        """Keep these blocks from being reused until :meth:`release`."""
-
-    def release(self, block_ids: Sequence[int], first: bool) -> None:
-        """Let these blocks be reused again, in this order; ``first``: before every other free block
-        (their bytes are in lmkv now), else after them (as if freed just now)."""
-
     def take_reused(self) -> list[tuple[int, EngineBlockKey]]:
         """Cached blocks the engine handed out since the last call, each with the hash it held, in
         order. Their bytes stay as they were until the step's forward writes them, so a copy made
@@ -115,6 +112,9 @@ LOOKAHEAD_GAIN = 512.0
 
 #: how fast the remembered largest burst fades, per step (half-life ~230 steps)
 BURST_DECAY = 0.997
+
+#: a drain cap not measured yet
+UNBOUNDED = 1 << 62
 
 
 @dataclass
@@ -133,7 +133,7 @@ class CopyBudget:
         return self.credit // self.page_bytes
 
     def spend(self, pages: int) -> None:
-        self.credit -= pages * self.page_bytes
+        self.credit = max(0, self.credit - pages * self.page_bytes)
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,7 @@ class Pick:
 
     block_id: int
     block_hash: EngineBlockKey
-    due: bool = True  # about to be reused, or an ancestor copied for one (not a lookahead pick or an early copy)
-    rescue: bool = False  # handed out this step: copied before the step's forward, never protected or released
+    rescue: bool = False  # handed out this step: copied before the step's forward (the others during it)
 
 
 @dataclass
@@ -153,18 +152,20 @@ class LazyStats:
     unreachable: int = 0
     capped_steps: int = 0
     filled: int = 0  # early copies of fresh blocks in steps the zone left link time idle
-    unlikely: int = 0  # due blocks not copied: blocks like them were seldom needed again
+    unlikely: int = 0  # due blocks not copied: blocks like them were seldom needed again (95% bound)
     rescued: int = 0  # blocks copied in the step that handed them out, before its forward
 
 
 class LazyOffload:
     """Plans, step by step, which cached blocks in the free queue to copy before they are reused.
 
-    The invariant that keeps a copy from ever storing stale bytes: a block planned in the
-    zone is protected (out of the free queue, in :attr:`inflight`) from :meth:`plan` until
-    :meth:`done`, so the engine cannot hand it out while its copy is pending. Rescued blocks
-    are the exception by construction: the engine has handed them out already, they are never
-    protected or released, and their copy is made before the step's forward writes them.
+    The invariant that keeps a copy from ever storing stale bytes: every copy planned in a step is
+    made before the engine's next forward can write its block. A block planned in the zone is still
+    in the free queue, so no request of this step holds it and only a later step's forward can
+    write it: the workers copy it during this step's forward. A rescued block was handed out this
+    step: the workers copy it before this step's forward. So the policy never pulls a block out of
+    the free queue, and the engine's own cache is exactly what it would be without offload. A
+    planned block stays in :attr:`inflight` until :meth:`done` (its page is in lmkv by then).
     """
 
     def __init__(self, cfg: OffloadConfig, page_bytes: int, in_tier: Callable[[EngineBlockKey], bool]) -> None:
@@ -172,7 +173,11 @@ class LazyOffload:
         #: a declared link budget: keep the link busy with early copies (see OffloadConfig)
         link = cfg.link_bytes_per_step
         self.link_bound = link is not None
-        self.budget = CopyBudget(int(link if link is not None else cfg.drain_bytes_per_step), page_bytes)
+        fixed = link if link is not None else cfg.drain_bytes_per_step
+        #: the drain cap; without a fixed one, unbounded until :meth:`observe_copies` measures the link
+        self.budget = CopyBudget(int(fixed) if fixed is not None else UNBOUNDED, page_bytes)
+        self.measured_cap = fixed is None
+        self.page_bytes = page_bytes
         self.in_tier = in_tier
         self.alloc_ema = 0.0
         #: with a declared link: the most blocks one step took lately, and the most cached ones among them
@@ -181,13 +186,15 @@ class LazyOffload:
         self.burst = 0.0
         self.burst_evicted = 0.0
         self._binding = 0.0  # how often the drain cap has been binding lately (EMA of 0/1)
-        self.inflight: dict[EngineBlockKey, int] = {}  # hash -> protected block id
+        self.inflight: dict[EngineBlockKey, int] = {}  # hash -> block id, planned last step
         self._parent: OrderedDict[EngineBlockKey, EngineBlockKey | None] = OrderedDict()
-        self.reuse = ReuseModel(remembered=max(1, cfg.chain_memory // 16))
+        self.reuse = ReuseModel(max(1, cfg.chain_memory // 16), cfg.min_need_rate, cfg.min_family_requests,
+                                cfg.min_reuse_rate)
         #: without a declared link, bytes are the cost: blocks unlikely to be needed are not copied
         #: (with one, the link's time is spent anyway, on the blocks nearest eviction)
         self.estimating = not self.link_bound and cfg.min_need_rate > 0
         self._step = 0
+        self._allocated = 0  # blocks the engine handed out this step
         self._fresh: deque[EngineBlockKey] = deque(maxlen=cfg.chain_memory)  # computed blocks, oldest first
         self.stats = LazyStats()
 
@@ -231,19 +238,23 @@ class LazyOffload:
         if self.link_bound:
             self._fresh.extend(hashes)
 
-    def _one_shot(self, h: EngineBlockKey) -> bool:
-        """Whether ``h``'s family almost never repeats what came before (one-shot prompts)."""
-        return self.reuse.one_shot(h, self.cfg.min_family_requests, self.cfg.min_reuse_rate)
-
     def note_step(self, blocks_allocated: int) -> None:
         self._step += 1
+        self._allocated = blocks_allocated
         a = self.cfg.ema_alpha
         self.alloc_ema = (1 - a) * self.alloc_ema + a * blocks_allocated
         if self.link_bound:
             self.burst = max(float(blocks_allocated), self.burst * BURST_DECAY)
 
-    def danger_depth(self, next_demand: int) -> int:
-        return math.ceil(self.alloc_ema * self.cfg.horizon_steps) + next_demand + self.cfg.watermark_blocks
+    def observe_copies(self, bytes_per_s: float, step_s: float) -> None:
+        """The copy link's measured rate and the engine's step time: without a fixed cap, a step may plan
+        ``drain_link_share`` of the step's time on the link (so the cap is link time, whatever a page's size)."""
+        if not self.measured_cap or bytes_per_s <= 0 or step_s <= 0:
+            return
+        self.budget.bytes_per_step = max(self.page_bytes, int(self.cfg.drain_link_share * bytes_per_s * step_s))
+
+    def danger_depth(self) -> int:
+        return math.ceil(self.alloc_ema * self.cfg.horizon_steps) + self.cfg.watermark_blocks
 
     # -- planning ----------------------------------------------------------------
 
@@ -270,16 +281,21 @@ class LazyOffload:
         out.reverse()
         return out
 
-    def plan(self, pool: FreeQueue, next_demand: int = 0) -> list[Pick]:
-        """The copies to start this step: without a declared link, blocks the step handed out that are
+    def plan(self, pool: FreeQueue) -> list[Pick]:
+        """The copies to make this step: without a declared link, blocks the step handed out that are
         worth their bytes (rescued: copied before the step's forward); then blocks near the queue's
-        head (protected until :meth:`done`)."""
+        head (copied during it)."""
         reused = pool.take_reused()
         if self.link_bound:
             self.burst_evicted = max(float(len(reused)), self.burst_evicted * BURST_DECAY)
         if self.estimating:
             self.reuse.settle(self._step)
         budget = self.budget.refill()
+        if self.measured_cap:
+            # A step may always copy as many blocks as it took: computing a block takes longer than
+            # copying it out (an 8B model's page: ~1.3 ms of prefill against ~0.17 ms over PCIe), so
+            # this is within the step's own link time even when the measured step time lags a burst.
+            budget = max(budget, self._allocated)
         if budget == 0:
             return []  # a link slower than a page a step: this step's share is carried over
         picks: list[Pick] = []
@@ -287,44 +303,43 @@ class LazyOffload:
         if not self.link_bound:  # (a declared link is busy: a copy before the forward would stall it)
             self._add(picks, chosen, budget, pool, self._rescues(reused, pool), {h: b for b, h in reused})
         # When the cap has been binding, look further ahead: copies must start earlier to finish in time.
-        due_depth = self.danger_depth(next_demand)
-        depth = int(due_depth * (1 + LOOKAHEAD_GAIN * self._binding))
+        depth = int(self.danger_depth() * (1 + LOOKAHEAD_GAIN * self._binding))
         if len(picks) < budget:
-            self._add(picks, chosen, budget, pool, self._zone(pool, depth, due_depth), None)
+            self._add(picks, chosen, budget, pool, self._zone(pool, depth), None)
         if self.link_bound:
             self._fill(pool, picks, chosen, budget)
         self._binding = 0.9 * self._binding + 0.1 * (len(picks) >= budget)
         self.budget.spend(len(picks))
-        if picks:
-            pool.protect([p.block_id for p in picks if not p.rescue])
-            for p in picks:
-                self.inflight[p.block_hash] = p.block_id
-            self.stats.planned += len(picks)
-            self.stats.rescued += sum(p.rescue for p in picks)
+        for p in picks:
+            self.inflight[p.block_hash] = p.block_id
+        self.stats.planned += len(picks)
+        self.stats.rescued += sum(p.rescue for p in picks)
         return picks
 
-    def _rescues(self, reused: list[tuple[int, EngineBlockKey]],
-                 pool: FreeQueue) -> Iterator[tuple[EngineBlockKey, bool]]:
+    def _rescues(self, reused: list[tuple[int, EngineBlockKey]], pool: FreeQueue) -> Iterator[EngineBlockKey]:
         """The blocks handed out this step worth copying (judged as a due block would be)."""
         for _, h in reused:
             # (a page cached again in another block: a request allocated the same page, not computed yet)
             if pool.cached_block(h) is None and self._worth(h):
-                yield h, True
+                yield h
 
     def _worth(self, h: EngineBlockKey) -> bool:
         """Whether a block about to be lost is worth its copy: lmkv lacks it, no copy of it is in flight,
-        its family repeats itself, and (without a declared link) blocks like it were needed often enough."""
-        if self.in_tier(h) or h in self.inflight or self._one_shot(h):
+        and (without a declared link) the need estimate does not let blocks like it go; with a declared
+        link, its family does not look one-shot."""
+        if self.in_tier(h) or h in self.inflight:
             return False
-        if self.estimating and self._unlikely(h):
-            self.stats.unlikely += 1
-            return False
-        return True
+        if self.estimating:
+            if self.reuse.skippable(h, self._step):
+                self.stats.unlikely += 1
+                return False
+            return True
+        return not self.reuse.one_shot(h)
 
     def _add(self, picks: list[Pick], chosen: set[EngineBlockKey], budget: int, pool: FreeQueue,
-             wanted: Iterator[tuple[EngineBlockKey, bool]], gone: dict[EngineBlockKey, int] | None) -> None:
+             wanted: Iterator[EngineBlockKey], gone: dict[EngineBlockKey, int] | None) -> None:
         """Plan ``wanted`` blocks with their prefix closure, in order, until the budget is spent."""
-        for h, due in wanted:
+        for h in wanted:
             if h in chosen:
                 continue
             chain = self._closure(h, pool, chosen, gone)
@@ -340,40 +355,17 @@ class LazyOffload:
                 self.stats.capped_steps += 1
             self.stats.closure_added += max(0, len(chain) - 1)
             for p in chain:
-                picks.append(replace(p, due=due))
+                picks.append(p)
                 chosen.add(p.block_hash)
                 if self.estimating and p.block_hash != h:
                     self.reuse.watch(p.block_hash, self._step)  # its outcome teaches the estimate too
             if len(picks) >= budget:
                 return
 
-    def _with_lineage(self, h: EngineBlockKey) -> EngineBlockKey:
-        """``h``, or if it is in no lineage (decoding filled it: it is its chain's first block to be
-        evicted and, through prefix closure, decides for the whole chain) its nearest ancestor that is."""
-        cur: EngineBlockKey | None = h
-        while cur is not None and not self.reuse.in_lineage(cur):
-            cur = self._parent.get(cur)
-        return h if cur is None else cur
-
-    def _unlikely(self, h: EngineBlockKey) -> bool:
-        """Whether blocks like ``h`` were seldom needed again, or its agent-like session has likely
-        ended (asked only when the first does not already say so: it walks to a lineage)."""
-        rate = self.cfg.min_need_rate
-        need = self.reuse.watch(h, self._step)
-        if need is not None and need < rate:
-            return True
-        at = self._with_lineage(h)
-        turn = self.reuse.another_turn(at, self._step)
-        if turn is not None and turn < rate:
-            return True
-        cont = self.reuse.continued(h, at)
-        return cont is not None and cont < rate
-
-    def _zone(self, pool: FreeQueue, depth: int, due_depth: int) -> Iterator[tuple[EngineBlockKey, bool]]:
+    def _zone(self, pool: FreeQueue, depth: int) -> Iterator[EngineBlockKey]:
         """Blocks worth copying within ``depth`` of the queue's head (with a declared link, also the cached
-        blocks a burst like the largest lately would take), nearest first, each with whether it is due or
-        only looked ahead at. A generator: the walk stops where the step's copies are planned, so a deep
-        lookahead costs only what is used of it."""
+        blocks a burst like the largest lately would take), nearest first. A generator: the walk stops
+        where the step's copies are planned, so a deep lookahead costs only what is used of it."""
         reach, evicts, cached = 0, 0, 0
         if self.link_bound:
             reach = math.ceil(self.burst) + self.cfg.watermark_blocks
@@ -386,7 +378,7 @@ class LazyOffload:
                 continue
             cached += 1
             if self._worth(h):
-                yield h, i < due_depth or in_burst
+                yield h
 
     def _fill(self, pool: FreeQueue, picks: list[Pick], chosen: set[EngineBlockKey], budget: int) -> None:
         """The link is the bottleneck: the budget the danger zone leaves this step goes to the oldest
@@ -394,22 +386,16 @@ class LazyOffload:
         now are blocks the zone will not have to rush later."""
         while self._fresh and len(picks) < budget:
             h = self._fresh.popleft()
-            if self.in_tier(h) or h in self.inflight or h in chosen or self._one_shot(h):
+            if self.in_tier(h) or h in self.inflight or h in chosen or self.reuse.one_shot(h):
                 continue
             bid = pool.cached_block(h)
             if bid is None:
                 continue  # gone from the engine: nothing to copy
-            picks.append(Pick(bid, h, due=False))
+            picks.append(Pick(bid, h))
             chosen.add(h)
             self.stats.filled += 1
 
-    def done(self, picks: Sequence[Pick], pool: FreeQueue) -> None:
-        """The copies of ``picks`` finished (or failed): their blocks may be reused again."""
+    def done(self, picks: Sequence[Pick]) -> None:
+        """The copies of ``picks`` were made (or failed): lmkv holds their pages now, or will not."""
         for p in picks:
             self.inflight.pop(p.block_hash, None)
-        # Deepest pages first, like an engine freeing a request: a chain's first page, which every
-        # later one needs for a prefix hit in the engine, is reused last. Blocks that were due go
-        # first in line (with the ancestors copied for them); lookahead picks and early copies were not
-        # near eviction and go back behind. Rescued blocks belong to the step's requests: not ours to release.
-        pool.release([p.block_id for p in reversed(picks) if p.due and not p.rescue], first=True)
-        pool.release([p.block_id for p in reversed(picks) if not p.due], first=False)

@@ -12,9 +12,11 @@ Policies (the same trace, each in its own run):
 - ``none``: nothing is written; the run also records, for the **oracle**, every
   block that was evicted and asked for again later (the only writes that can pay);
 - ``eager``: every block is queued for a copy when it is computed;
-- ``lazy``: :class:`lmkv.offload.lazy.LazyOffload` on the real free queue; the blocks it
-  rescues (taken by the step's allocations) are written in that step, as a worker
-  copies them before the step's forward;
+- ``lazy``: :class:`lmkv.offload.lazy.LazyOffload` on the real free queue, told what the
+  vLLM connector tells it (each step's full pages of each scheduled request, finished
+  chains, blocks allocated, the measured copy rate and step time; not the next step's
+  demand, which the connector does not know); every block it plans is written in that
+  step, as the workers copy it during (a rescue: before) the step's forward;
 - ``lmcache``: LMCache 0.5.6's eviction-aware store queue, driven as its connector drives
   it (:mod:`lmkv.offload.peer`).
 
@@ -37,6 +39,7 @@ from lmkv.keys import EngineBlockKey
 from lmkv.offload.lazy import CopyBudget, LazyOffload, Pick
 from lmkv.offload.peer import LMCacheStoreQueue
 from lmkv.offload.traces import TraceRequest
+from lmkv.tiers.link import ema
 
 
 @dataclass
@@ -46,7 +49,13 @@ class SimConfig:
     page_bytes: int = 256 << 10
     step_tokens: int = 8192  # prefill tokens admitted per step
     max_running: int = 64
-    d2h_bytes_per_step: int | None = None  # None: copies are never the bottleneck
+    d2h_bytes_per_step: int | None = None  # a declared copy link (eager's too); None: the host link below
+    #: the copy link as the workers would measure it (a PCIe-class host link), and a step's time: the
+    #: trace's step, or its computed tokens' time where longer (a prefill of 8k tokens of an 8B model
+    #: takes ~0.3 s, not a 40 ms trace step); lazy's drain cap is a share of the link's time per step
+    copy_bytes_per_s: float = 25e9
+    step_s: float = 0.04
+    token_s: float = 2.5e-6  # a ~0.5B model's token (1 GFLOP at 400 TFLOP/s); 40e-6 for an 8B model
     lazy: OffloadConfig = field(default_factory=lambda: OffloadConfig(policy="lazy"))
 
 
@@ -67,6 +76,8 @@ class SimResult:
     preemptions: int = 0
     policy_us: list[float] = field(default_factory=list, repr=False)
     oracle_blocks: set = field(default_factory=set, repr=False)  # none: evicted, then asked for again
+    #: lazy: per class of the need estimate, (blocks needed again, blocks settled) at the end
+    need_classes: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
     @property
     def policy_us_median(self) -> float:
@@ -125,6 +136,7 @@ class _Run:
         self.lazy = LazyOffload(lazy_cfg, cfg.page_bytes, self.tier.__contains__) if policy == "lazy" else None
         self.peer = LMCacheStoreQueue(self.pool) if policy == "lmcache" else None
         self.scheduled = 0  # tokens this step computes (the peer's estimate of the next step's blocks)
+        self.step_s: float | None = None  # the steps' time as the workers would report it (EMA, one step late)
         self.inflight: list[Pick] = []
         self.by_id = {r.id: r for r in trace}
         self.later: dict[str, list[TraceRequest]] = {}
@@ -203,11 +215,9 @@ class _Run:
             self.res.engine_hit_tokens += hbm_tokens
             self.res.computed_tokens += n - hbm_tokens - hit
             req.num_computed_tokens = n
-            if self.lazy is not None and hashes:  # a preempted request resumed is not another use (as in the connector)
-                self.lazy.note_chain(hashes, used=req.request_id not in self.noted, cached=hbm_tokens // bs)
-                self.noted.add(req.request_id)
-                self.lazy.note_computed(hashes[hbm_tokens // bs + tier_blocks:])
             first = hbm_tokens // bs + tier_blocks
+            if self.lazy is not None:  # as the connector's scheduler tells it, once the prefill's pages are full
+                self.remember(req, n // bs, first, hbm_tokens // bs)
             if self.policy == "eager":
                 self.pending.extend(h for h in (self.key(x) for x in req.block_hashes[first : n // bs])
                                     if h not in self.tier)
@@ -218,6 +228,18 @@ class _Run:
             self.sample(req, step)
             admitted.append(req)
         return admitted
+
+    def remember(self, req, full: int, computed_from: int, cached: int) -> None:
+        """What the connector's scheduler tells the policy when a request's full pages grow: the chain of
+        its full pages (a use of it the first time: a preempted request resumed is not another use),
+        and the pages computed now."""
+        assert self.lazy is not None
+        hashes = [self.key(h) for h in req.block_hashes[:full]]
+        if not hashes:
+            return
+        self.lazy.note_chain(hashes, used=req.request_id not in self.noted, cached=cached)
+        self.noted.add(req.request_id)
+        self.lazy.note_computed(hashes[computed_from:])
 
     def sample(self, req, step: int) -> None:
         out = self.outputs[req.request_id]
@@ -266,7 +288,7 @@ class _Run:
                 if self.policy == "eager" and h not in self.tier:
                     self.pending.append(h)
                 elif self.lazy is not None:
-                    self.lazy.note_computed([h])
+                    self.remember(req, k + 1, k, 0)
                 elif self.peer is not None:
                     self.peer.add(req.request_id, k * bs, (k + 1) * bs, [self.mgr.get_block_ids(req.request_id)[0][k]])
             self.sample(req, step)
@@ -302,33 +324,24 @@ class _Run:
                     self.write(h)
             self.allocated = 0
         elif self.lazy is not None:
-            # the copies planned last step finished: check their snapshot, release their blocks
-            for p in self.inflight:
-                if p.rescue:
-                    continue  # copied in the step that planned it
-                if self.queue.block_hash(p.block_id) != p.block_hash:
-                    self.res.stale_writes += 1
-                else:
-                    self.write(p.block_hash)
-            self.lazy.done(self.inflight, self.queue)
+            self.lazy.done(self.inflight)  # (made last step: the pages are in the tier)
             self.lazy.note_step(self.allocated)
             self.allocated = 0
-            demand, tokens = 0, 0  # blocks the requests admitted next step will take
-            for r in self.waiting:
-                tokens += r.num_tokens
-                if tokens > self.cfg.step_tokens and demand:
-                    break
-                demand += -(-r.num_tokens // self.cfg.block_size)
+            if self.step_s is not None:  # what the workers reported of the last step
+                self.lazy.observe_copies(self.cfg.copy_bytes_per_s, self.step_s)
+            self.step_s = ema(self.step_s, max(self.cfg.step_s, self.scheduled * self.cfg.token_s))
             t0 = time.perf_counter()
-            self.inflight = self.lazy.plan(self.queue, demand)
+            self.inflight = self.lazy.plan(self.queue)
             self.res.policy_us.append((time.perf_counter() - t0) * 1e6)
-            for p in self.inflight:  # rescues: copied before this step's forward writes the blocks
-                if p.rescue:
-                    if self.handed_out.get(p.block_id) != p.block_hash:
-                        self.res.stale_writes += 1
-                    else:
-                        self.write(p.block_hash, evicted=True)
-                        self.res.rescues += 1
+            # Every planned block is copied in this step: a rescue before its forward (the block was
+            # handed out), the others during it (still in the free queue: no forward of this step writes them).
+            for p in self.inflight:
+                held = self.handed_out.get(p.block_id) if p.rescue else self.queue.block_hash(p.block_id)
+                if held != p.block_hash:
+                    self.res.stale_writes += 1
+                else:
+                    self.write(p.block_hash, evicted=p.rescue)
+                    self.res.rescues += p.rescue
             self.res.peak_pending_bytes = max(self.res.peak_pending_bytes, len(self.inflight) * self.cfg.page_bytes)
 
     def run(self, max_steps: int = 1_000_000) -> SimResult:
@@ -342,6 +355,8 @@ class _Run:
             self.scheduled = 0
             step += 1
         self.res.steps = step
+        if self.lazy is not None:
+            self.res.need_classes = [(k.needed, k.blocks) for k in self.lazy.reuse.need.counts.values()]
         return self.res
 
 

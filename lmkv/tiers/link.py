@@ -5,6 +5,8 @@ fetch, or all of a layerwise fetch's layer requests from first sent to last land
 and the time one layer request takes. The worker sets a layerwise fetch's pipeline
 depth from the second; the scheduler weighs the first against the engine's step time
 to choose between a layerwise and an asynchronous load (:mod:`lmkv.engine.scheduler`).
+The copies out of engine blocks are measured the same way (``COPY_OUT``): lazy offload's
+drain cap is a share of that link's time per step.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from dataclasses import dataclass
 
 #: weight of the newest sample
 EMA = 0.2
+
+#: the link copies out of engine blocks take (not a tier): its rate sets lazy offload's drain cap
+COPY_OUT = "engine->lmkv"
 
 
 def ema(old: float | None, new: float) -> float:
@@ -40,6 +45,10 @@ class LinkRates:
         with self._lock:
             link = self._links.setdefault(tier, Link())
             link.rate = ema(link.rate, nbytes / seconds)
+
+    def copied(self, nbytes: int, seconds: float) -> None:
+        """A step's copies out of engine blocks moved ``nbytes`` in ``seconds`` of copying."""
+        self.fetched(COPY_OUT, nbytes, seconds)
 
     def requested(self, tier: str, seconds: float) -> None:
         """One layer request to ``tier`` took ``seconds``."""
