@@ -140,38 +140,33 @@ def _family(report: Report, name: str, outcomes: list[Outcome], peer: bool) -> N
     def add(metric: str, value: float, unit: str, baseline: float, what: str) -> None:
         report.add(f"{name}.{metric}", value, unit, baseline or None, what)
 
-    add("bytes_vs_oracle", _sum(outcomes, "lazy.writes") * page, "bytes", oracle, f"offline oracle, {runs}")
-    add("bytes_written", _sum(outcomes, "lazy.writes") * page, "bytes", _sum(outcomes, "eager.writes") * page,
-        f"eager write-through, {runs}")
-    add("hit_tokens", _sum(outcomes, "lazy.hit_tokens"), "tokens", _sum(outcomes, "eager.hit_tokens"),
-        f"eager, {runs}")
-    add("engine_hit_tokens", _sum(outcomes, "lazy.engine_hit_tokens"), "tokens",
-        _sum(outcomes, "none.engine_hit_tokens"), f"the runs without offload, {runs}")
+    peer_what = "LMCache 0.5.6's eviction-aware store queue"
+    for prefix, lazy, pb, shape in (("", "lazy", page, ""), ("8b.", "lazy8b", big, " (4 MiB pages)")):
+        add(f"{prefix}bytes_vs_oracle", _sum(outcomes, f"{lazy}.writes") * pb, "bytes", _sum(outcomes, "oracle") * pb,
+            f"offline oracle, {runs}{shape}")
+        add(f"{prefix}bytes_written", _sum(outcomes, f"{lazy}.writes") * pb, "bytes",
+            _sum(outcomes, "eager.writes") * pb, f"eager write-through, {runs}{shape}")
+        add(f"{prefix}hit_tokens", _sum(outcomes, f"{lazy}.hit_tokens"), "tokens", _sum(outcomes, "eager.hit_tokens"),
+            f"eager, {runs}{shape}")
+        add(f"{prefix}engine_hit_tokens", _sum(outcomes, f"{lazy}.engine_hit_tokens"), "tokens",
+            _sum(outcomes, "none.engine_hit_tokens"), f"the runs without offload, {runs}{shape}")
+        if peer:
+            add(f"{prefix}bytes_vs_lmcache", _sum(outcomes, f"{lazy}.writes") * pb, "bytes",
+                _sum(outcomes, "lmcache.writes") * pb, f"{peer_what}, {runs}{shape}")
     add("hindsight_classes_vs_oracle", _sum(outcomes, "hindsight") * page, "bytes", oracle,
         f"offline oracle; value: whole classes of the need estimate copied with hindsight, most needed first, "
         f"until {KEEP:.0%} of the needed blocks are kept")
-    add("8b.bytes_vs_oracle", _sum(outcomes, "lazy8b.writes") * big, "bytes", _sum(outcomes, "oracle") * big,
-        f"offline oracle, {runs} (4 MiB pages)")
-    add("8b.hit_tokens", _sum(outcomes, "lazy8b.hit_tokens"), "tokens", _sum(outcomes, "eager.hit_tokens"),
-        f"eager, {runs} (4 MiB pages)")
-    add("8b.engine_hit_tokens", _sum(outcomes, "lazy8b.engine_hit_tokens"), "tokens",
-        _sum(outcomes, "none.engine_hit_tokens"), f"the runs without offload, {runs} (4 MiB pages)")
     add("bw.blocks_lost", _sum(outcomes, "bw_lazy.blocks_lost"), "blocks", _sum(outcomes, "bw_eager.blocks_lost"),
         "eager under the same copy link")
     add("bw.hit_tokens", _sum(outcomes, "bw_lazy.hit_tokens"), "tokens", _sum(outcomes, "bw_eager.hit_tokens"),
         "eager under the same copy link")
     if peer:
-        peer_what = "LMCache 0.5.6's eviction-aware store queue"
         add("lmcache_bytes_vs_oracle", _sum(outcomes, "lmcache.writes") * page, "bytes", oracle,
             f"offline oracle, {runs} ({peer_what})")
         add("lmcache_hit_tokens", _sum(outcomes, "lmcache.hit_tokens"), "tokens", _sum(outcomes, "eager.hit_tokens"),
             f"eager, {runs} ({peer_what})")
         add("lmcache_engine_hit_tokens", _sum(outcomes, "lmcache.engine_hit_tokens"), "tokens",
             _sum(outcomes, "none.engine_hit_tokens"), f"the runs without offload, {runs} ({peer_what})")
-        add("bytes_vs_lmcache", _sum(outcomes, "lazy.writes") * page, "bytes", _sum(outcomes, "lmcache.writes") * page,
-            f"{peer_what}, {runs}")
-        add("8b.bytes_vs_lmcache", _sum(outcomes, "lazy8b.writes") * big, "bytes",
-            _sum(outcomes, "lmcache.writes") * big, f"{peer_what}, {runs} (4 MiB pages)")
     for f in FACTORS:
         at = [o for o in outcomes if o.task.factor == f]
         add(f"{f:g}x.bytes_vs_oracle", _sum(at, "lazy.writes") * page, "bytes", _sum(at, "oracle") * page,

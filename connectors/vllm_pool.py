@@ -47,9 +47,19 @@ class VllmFreeQueue:
         out, self._reused = list(self._reused.items()), {}
         return out
 
-    def iter_free(self) -> Iterator[tuple[int, EngineBlockKey | None]]:
-        for b in self.pool.free_block_queue.iter_blocks_after(None):
-            yield b.block_id, b.block_hash
+    def iter_free(self, limit: int) -> Iterator[tuple[int, int, EngineBlockKey]]:
+        # (the queue's own links, walked here: its iter_blocks_after and the blocks' hash property
+        # cost a generator frame and a call per block, most of the walk on a large pool)
+        queue = self.pool.free_block_queue
+        tail = queue.fake_free_list_tail
+        block = queue.fake_free_list_head.next_free_block
+        i = 0
+        while i < limit and block is not None and block is not tail:
+            h = block.block_hash
+            if h is not None:
+                yield i, block.block_id, h
+            i += 1
+            block = block.next_free_block
 
     def cached_block(self, block_hash: EngineBlockKey) -> int | None:
         b = self.pool.cached_block_hash_to_block.get_one_block(block_hash)

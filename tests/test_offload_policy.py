@@ -62,18 +62,18 @@ def test_only_the_danger_zone_is_planned_and_the_free_queue_is_left_as_it_was(en
     p.note_step(1)  # depth 1: only the head of the queue is in danger
     free_before = mgr.block_pool.get_num_free_blocks()
     # the queue's head holds never-used (unhashed) blocks; the chain sits at its tail, out of danger
-    order = [h for _, h in queue.iter_free()]
+    order = [h for _, _, h in queue.iter_free(1 << 20)]
     assert p.plan(queue) == []
     p.note_step(200)  # a burst: everything is in danger
     picks = p.plan(queue)
     assert [x.block_hash for x in picks] == chain  # the whole chain, oldest page first (closure order)
     assert not any(x.rescue for x in picks)  # still in the queue: copied during the step's forward
-    assert mgr.block_pool.get_num_free_blocks() == free_before and [h for _, h in queue.iter_free()] == order
+    assert mgr.block_pool.get_num_free_blocks() == free_before and [h for _, _, h in queue.iter_free(1 << 20)] == order
     assert all(queue.block_hash(x.block_id) == x.block_hash for x in picks)  # the snapshot holds this step
     assert p.plan(queue) == []  # in flight: not planned twice
     tier.update(x.block_hash for x in picks)
     p.done(picks)
-    assert not p.inflight and [h for _, h in queue.iter_free()] == order
+    assert not p.inflight and [h for _, _, h in queue.iter_free(1 << 20)] == order
 
 
 def test_prefix_closure_copies_cached_ancestors_and_skips_broken_chains(engine):
@@ -169,7 +169,7 @@ def test_blocks_a_step_handed_out_are_rescued_before_its_forward(engine):
     p.note_step(0)
     assert p.plan(queue) == []
     # the queue's head is now a's chain, deepest page first, then b's: take a[2] and a[1]
-    assert [h for _, h in queue.iter_free()] == a[::-1] + b[::-1]
+    assert [h for _, _, h in queue.iter_free(1 << 20)] == a[::-1] + b[::-1]
     pool.get_new_blocks(2)
     p.note_step(2)
     picks = p.plan(queue)
@@ -198,7 +198,7 @@ def test_a_rescue_needs_its_whole_prefix(engine):
     pool.get_new_blocks(pool.get_num_free_blocks() - 2)
     p.note_step(0)
     assert p.plan(queue) == []
-    order = [h for _, h in queue.iter_free()]
+    order = [h for _, _, h in queue.iter_free(1 << 20)]
     assert order == a[::-1]
     pool.get_new_blocks(1)  # a[1] taken
     pool.evict_blocks({queue.cached_block(a[0])})  # a[0] dropped, not handed out
@@ -263,8 +263,8 @@ def test_the_zone_is_walked_only_until_the_steps_copies_are_planned(engine):
     walked = []
     inner = queue.iter_free
 
-    def counting():
-        for entry in inner():
+    def counting(limit):
+        for entry in inner(limit):
             walked.append(entry)
             yield entry
 
@@ -272,7 +272,7 @@ def test_the_zone_is_walked_only_until_the_steps_copies_are_planned(engine):
     (pick,) = p.plan(queue)
     assert pick.block_hash == chains[0][0]
     free = mgr.block_pool.get_num_free_blocks()
-    assert walked[-1][1] == chains[0][-1] and len(walked) < free  # stopped at the first candidate
+    assert walked[-1][2] == chains[0][-1] and len(walked) < free  # stopped at the first candidate
 
 
 def test_the_blocks_nearest_the_head_go_first_under_a_cap(engine):

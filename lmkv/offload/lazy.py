@@ -89,8 +89,10 @@ from lmkv.offload.reuse import ReuseModel
 class FreeQueue(Protocol):
     """What the policy needs from an engine's block pool."""
 
-    def iter_free(self) -> Iterator[tuple[int, EngineBlockKey | None]]:
-        """Free blocks in eviction order (next to be reused first): (block id, hash or None)."""
+    def iter_free(self, limit: int) -> Iterator[tuple[int, int, EngineBlockKey]]:
+        """The cached blocks among the first ``limit`` free blocks in eviction order (next to be reused
+        first): (position in the queue, block id, hash). Never-used blocks are passed over in the
+        engine's own loop: a large pool's head holds thousands of them."""
 
     def cached_block(self, block_hash: EngineBlockKey) -> int | None:
         """The block that holds ``block_hash`` in the engine's cache, if any."""
@@ -370,12 +372,10 @@ class LazyOffload:
         if self.link_bound:
             reach = math.ceil(self.burst) + self.cfg.watermark_blocks
             evicts = math.ceil(self.burst_evicted) + (self.cfg.watermark_blocks if self.burst_evicted >= 1 else 0)
-        for i, (_, h) in enumerate(pool.iter_free()):
+        for i, _, h in pool.iter_free(max(depth, reach)):
             in_burst = cached < evicts and i < reach
             if i >= depth and not in_burst:
                 return
-            if h is None:
-                continue
             cached += 1
             if self._worth(h):
                 yield h

@@ -290,6 +290,16 @@ class ReuseModel:
                 return 1 << b
         return 0
 
+    def tally(self) -> list[tuple[float, float]]:
+        """Per class, (blocks needed, blocks watched), the blocks still watched counted as not needed (as
+        the end of a run settles them): for evaluation (``lmkv bench offload``'s hindsight bound)."""
+        out = []
+        for c in set(self.need.counts) | set(self._watch):
+            k = self.need.counts.get(c)
+            pending = len(self._watch[c]) if c in self._watch else 0
+            out.append((k.needed if k else 0.0, (k.blocks if k else 0.0) + pending))
+        return out
+
     def settle(self, step: int) -> None:
         """Watched blocks nobody asked for within their class's horizon count as not needed."""
         reuse = self._reuse_horizon()

@@ -76,7 +76,7 @@ class SimResult:
     preemptions: int = 0
     policy_us: list[float] = field(default_factory=list, repr=False)
     oracle_blocks: set = field(default_factory=set, repr=False)  # none: evicted, then asked for again
-    #: lazy: per class of the need estimate, (blocks needed again, blocks settled) at the end
+    #: lazy: per class of the need estimate, (blocks needed again, blocks watched) at the end
     need_classes: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
     @property
@@ -356,7 +356,7 @@ class _Run:
             step += 1
         self.res.steps = step
         if self.lazy is not None:
-            self.res.need_classes = [(k.needed, k.blocks) for k in self.lazy.reuse.need.counts.values()]
+            self.res.need_classes = self.lazy.reuse.tally()
         return self.res
 
 
