@@ -157,7 +157,7 @@ def test_blocks_a_step_handed_out_are_rescued_before_its_forward(engine):
     """A burst (a long new prompt) takes cached blocks the zone did not reach. Their bytes are intact
     until the step's forward writes them, so the plan of that step copies them (rescues), with their
     closure: an ancestor taken in the same step is rescued too, one still in the queue is copied as
-    usual. Rescued blocks are the step's requests' now: never protected, never released."""
+    usual. Rescued blocks are the step's requests' now; the others stay in the free queue."""
     mgr, queue, finish = engine
     pool = mgr.block_pool
     a = finish("a", list(range(3, 3 + 3 * BS)))
