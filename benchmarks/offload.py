@@ -115,8 +115,7 @@ def _run(task: Task) -> Outcome:
     runs["bw_eager"], runs["bw_lazy"] = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
     if task.peer:
         runs["lmcache"] = simulate(trace, cfg, "lmcache")
-    out = Outcome(task, {"oracle": len(runs["none"].oracle_blocks), "hindsight": _hindsight(runs["lazy"]),
-                         "policy_us": runs["lazy"].policy_us_median})
+    out = Outcome(task, {"oracle": len(runs["none"].oracle_blocks), "hindsight": _hindsight(runs["lazy"])})
     for name, r in runs.items():
         for k in ("writes", "hit_tokens", "engine_hit_tokens", "computed_tokens", "blocks_lost", "stale_writes",
                   "rescues", "wasted_writes"):

@@ -126,7 +126,7 @@ class OffloadConfig(_Section):
     drain_link_share: float = Field(
         0.5, gt=0, le=1, description="lazy: the share of a step's time the copies planned in it may take on the "
         "copy link (the workers' measured copy rate x the forward's measured time: the same link time whatever "
-        "a page's size; the zone looks further ahead while this binds)")
+        "a page's size; never fewer pages than the step took)")
     drain_bytes_per_step: ByteSize | None = Field(
         None, description="lazy: a fixed cap on the bytes planned per step instead of drain_link_share")
     link_bytes_per_step: ByteSize | None = Field(

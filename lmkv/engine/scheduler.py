@@ -221,9 +221,9 @@ class OffloadScheduler:
         fast: its first loads measure it. Memory hits always load layerwise."""
         if self.load_mode != "auto":
             return self.load_mode == "async"
-        if not below or self.running == 0 or self.layer_compute_s is None:
+        step = self.forward_s
+        if not below or self.running == 0 or step is None:
             return False
-        step = self.layer_compute_s * sum(lay.num_layers for lay in self.groups)
         fetch = sum(nbytes / rate for tier, nbytes in below.items() if (rate := self.link_rates.get(tier)))
         return fetch > self.max_stall * step
 
@@ -233,9 +233,16 @@ class OffloadScheduler:
         self.link_rates.update(link_rates)
         if layer_compute_s is not None:
             self.layer_compute_s = layer_compute_s
-        copy = self.link_rates.get(COPY_OUT)
-        if self.lazy is not None and copy is not None and self.layer_compute_s is not None:
-            self.lazy.observe_copies(copy, self.layer_compute_s * sum(lay.num_layers for lay in self.groups))
+        copy, step = self.link_rates.get(COPY_OUT), self.forward_s
+        if self.lazy is not None and copy is not None and step is not None:
+            self.lazy.observe_copies(copy, step)
+
+    @property
+    def forward_s(self) -> float | None:
+        """The forward's measured time: its time per layer x the model's layers (None: not measured)."""
+        if self.layer_compute_s is None:
+            return None
+        return self.layer_compute_s * sum(lay.num_layers for lay in self.groups)
 
     def _unquarantined(self, chains: Sequence[ChainHash], start: int, end: int) -> int:
         """The first page in ``[start, end)`` whose load failed recently (or ``end``)."""

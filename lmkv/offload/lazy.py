@@ -179,7 +179,6 @@ class LazyOffload:
         #: the drain cap; without a fixed one, unbounded until :meth:`observe_copies` measures the link
         self.budget = CopyBudget(int(fixed) if fixed is not None else UNBOUNDED, page_bytes)
         self.measured_cap = fixed is None
-        self.page_bytes = page_bytes
         self.in_tier = in_tier
         self.alloc_ema = 0.0
         #: with a declared link: the most blocks one step took lately, and the most cached ones among them
@@ -253,7 +252,7 @@ class LazyOffload:
         ``drain_link_share`` of the step's time on the link (so the cap is link time, whatever a page's size)."""
         if not self.measured_cap or bytes_per_s <= 0 or step_s <= 0:
             return
-        self.budget.bytes_per_step = max(self.page_bytes, int(self.cfg.drain_link_share * bytes_per_s * step_s))
+        self.budget.bytes_per_step = max(self.budget.page_bytes, int(self.cfg.drain_link_share * bytes_per_s * step_s))
 
     def danger_depth(self) -> int:
         return math.ceil(self.alloc_ema * self.cfg.horizon_steps) + self.cfg.watermark_blocks
@@ -389,7 +388,7 @@ class LazyOffload:
         now are blocks the zone will not have to rush later."""
         while self._fresh and len(picks) < budget:
             h = self._fresh.popleft()
-            if self.in_tier(h) or h in self.inflight or h in chosen or self.reuse.one_shot(h):
+            if h in chosen or not self._worth(h):
                 continue
             bid = pool.cached_block(h)
             if bid is None:
