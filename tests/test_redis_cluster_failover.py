@@ -149,3 +149,47 @@ def test_a_lost_primary_costs_only_its_own_slots(cluster, layout, caplog, fault)
         assert all(np.array_equal(o, p) for o, (_, p) in zip(outs, load.written))
     finally:
         tier.close()
+
+
+def _replica_of(port: int) -> int:
+    out = subprocess.run(["redis-cli", "-p", str(port), "cluster", "nodes"], capture_output=True, text=True,
+                         timeout=10).stdout
+    rows = [line.split() for line in out.splitlines()]
+    me = next(f[0] for f in rows if "myself" in f[2])
+    return next(int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in rows if f[3] == me)
+
+
+def _role(port: int) -> str:
+    out = subprocess.run(["redis-cli", "-p", str(port), "role"], capture_output=True, text=True, timeout=10).stdout
+    return out.split()[0] if out else ""
+
+
+def test_a_manual_failover_moves_slots_without_an_outage(cluster, layout, caplog):
+    """``CLUSTER FAILOVER`` on a replica: the old primary answers ``MOVED`` for the slots it gave
+    up; the tier reads the slot map again and writes to the new primary. No page refused, none
+    lost, no outage logged."""
+    caplog.set_level(logging.WARNING, logger="lmkv")
+    tier = RedisTier(RemoteConfig(url=cluster.url, timeout=0.5, connect_timeout=0.3))
+    try:
+        keys, payloads, pages = make_pages(layout, 60)
+        assert tier.put(pages, "engine") == [True] * 60
+        old, on, _ = _victim_and_pages(tier, keys)
+        new = _replica_of(old)
+        _replicated(old)
+        subprocess.run(["redis-cli", "-p", str(new), "cluster", "failover"], check=True, capture_output=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (_role(new), _role(old)) != ("master", "slave"):
+            time.sleep(0.05)
+        assert (_role(new), _role(old)) == ("master", "slave")
+        assert tier.node_of(keys[on[0]]).endswith(f":{old}")  # the tier's map is stale now
+        more, more_payloads, more_pages = make_pages(layout, 60, 500)
+        assert tier.put(more_pages, "engine") == [True] * 60  # MOVED: the map read again, retried
+        assert tier.node_of(keys[on[0]]).endswith(f":{new}")
+        assert tier.contains(keys + more) == [True] * 120
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys + more]
+        assert all(h is not None for h in tier.get(keys + more, layout, outs))
+        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads + more_payloads))
+        assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert tier.stats.errors == 0
+    finally:
+        tier.close()

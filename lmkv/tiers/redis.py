@@ -26,6 +26,14 @@ are the exception: they use redis-py's blocking client from the calling thread,
 because on 2 MiB values it measured 1.4-1.5x faster than the asyncio client
 here (asyncio's stream reader copies each value several times), while asyncio
 measured faster for writes. Every operation has a deadline.
+
+On a cluster, the blocking client's slot map says which node serves a key;
+writes, existence checks and deletes go to each node through a plain asyncio
+client of that node's own. redis-py's asyncio cluster client is not used: when
+one node fails it closes every node's connections to re-read the map, which
+broke commands in flight to the surviving nodes (they timed out, and their
+slots were taken for down). A slot that moved (a ``MOVED`` reply, after a manual
+failover or a reshard) makes the tier read the map again and retry its pages once.
 """
 
 from __future__ import annotations
@@ -39,7 +47,6 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio as aredis
-import redis.asyncio.cluster as acluster
 import redis.cluster as scluster
 from redis import exceptions as rexc
 
@@ -67,63 +74,82 @@ def _tls_kwargs(cfg: RemoteConfig) -> dict:
     }
 
 
-def _cluster_retry(asyncio_client: bool):
-    """How often redis-py retries a cluster command that failed to connect, timed out or met
-    CLUSTERDOWN (MOVED, ASK and TRYAGAIN it follows on its own). Writes (asyncio) retry a few
-    times at once: a retry after a failover finds the promoted replica. Reads (blocking) never:
-    each retry of a node that hangs costs a timeout, while lmkv's health per node turns that
-    node's pages into misses at the first failure and finds the replica in the background."""
+def _no_retry():
+    """Cluster commands are not retried by redis-py: each retry of a node that hangs costs a
+    timeout, while lmkv's health per node turns that node's pages into misses at the first
+    failure and finds the replica that took its slots in the background."""
     from redis.backoff import NoBackoff
-
-    if asyncio_client:
-        from redis.asyncio.retry import Retry as AsyncRetry
-
-        return AsyncRetry(NoBackoff(), 3)
     from redis.retry import Retry
 
     return Retry(NoBackoff(), 0)
 
 
-def make_client(cfg: RemoteConfig, asyncio_client: bool = True):
-    """A redis-py client for ``cfg.url``, asyncio or blocking (no connection is made here)."""
+def _cluster(cfg: RemoteConfig) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """A cluster URL's startup nodes, and the keyword arguments of a client of any of its nodes."""
     url = cfg.url or ""
+    parts = urlsplit(url)
+    creds, _, hosts = parts.netloc.rpartition("@")
+    kwargs = _common_kwargs(cfg)
+    if creds:
+        user, _, pw = creds.partition(":")
+        kwargs.setdefault("username", unquote(user) or None)
+        kwargs.setdefault("password", unquote(pw) or None)
+    nodes = []
+    for hp in filter(None, hosts.split(",")):
+        host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"remote.url = {url!r}: expected host:port[,host:port...] after redis-cluster://")
+        nodes.append((host.strip("[]"), int(port)))
+    if not nodes:
+        raise ConfigError(f"remote.url = {url!r}: no cluster nodes given")
+    tls = _tls_kwargs(cfg) if parts.scheme == "rediss-cluster" else {}
+    return nodes, {**kwargs, **tls, "ssl": bool(tls)}
+
+
+def _common_kwargs(cfg: RemoteConfig) -> dict[str, Any]:
     common: dict[str, Any] = dict(
         socket_timeout=cfg.timeout,
         socket_connect_timeout=cfg.connect_timeout,
         username=cfg.username,
         password=cfg.password,
+        max_connections=cfg.max_connections,
+        socket_read_size=1 << 20,
     )
-    common = {k: v for k, v in common.items() if v is not None}
-    parts = urlsplit(url)
-    if parts.scheme in ("redis-cluster", "rediss-cluster"):
-        netloc = parts.netloc
-        creds, _, hosts = netloc.rpartition("@")
-        if creds:
-            user, _, pw = creds.partition(":")
-            common.setdefault("username", unquote(user) or None)
-            common.setdefault("password", unquote(pw) or None)
-        nodes = []
-        for hp in filter(None, hosts.split(",")):
-            host, _, port = hp.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"remote.url = {url!r}: expected host:port[,host:port...] after redis-cluster://")
-            nodes.append((host.strip("[]"), int(port)))
-        if not nodes:
-            raise ConfigError(f"remote.url = {url!r}: no cluster nodes given")
-        tls = _tls_kwargs(cfg) if parts.scheme == "rediss-cluster" else {}
-        mod = acluster if asyncio_client else scluster
-        return mod.RedisCluster(startup_nodes=[mod.ClusterNode(h, p) for h, p in nodes], ssl=bool(tls),
-                                max_connections=cfg.max_connections, require_full_coverage=False,
-                                retry=_cluster_retry(asyncio_client), socket_read_size=1 << 20, **tls, **common)
-    tls = _tls_kwargs(cfg) if parts.scheme == "rediss" else {}
+    return {k: v for k, v in common.items() if v is not None}
+
+
+def is_cluster(cfg: RemoteConfig) -> bool:
+    return urlsplit(cfg.url or "").scheme in ("redis-cluster", "rediss-cluster")
+
+
+def make_client(cfg: RemoteConfig, asyncio_client: bool = True):
+    """A redis-py client for ``cfg.url`` (no connection is made here): on one node asyncio or
+    blocking; on a cluster the blocking cluster client (the asyncio side uses :func:`node_client`)."""
+    if is_cluster(cfg):
+        nodes, kwargs = _cluster(cfg)
+        return scluster.RedisCluster(startup_nodes=[scluster.ClusterNode(h, p) for h, p in nodes],
+                                     require_full_coverage=False, retry=_no_retry(), **kwargs)
+    tls = _tls_kwargs(cfg) if urlsplit(cfg.url or "").scheme == "rediss" else {}
     cls = aredis.Redis if asyncio_client else redis.Redis
-    return cls.from_url(url, max_connections=cfg.max_connections, socket_read_size=1 << 20, **tls, **common)
+    return cls.from_url(cfg.url or "", **tls, **_common_kwargs(cfg))
+
+
+def node_client(cfg: RemoteConfig, node: str) -> aredis.Redis:
+    """An asyncio client of one cluster node (``host:port``), with connections of its own."""
+    from redis.asyncio.retry import Retry as AsyncRetry
+    from redis.backoff import NoBackoff
+
+    host, _, port = node.rpartition(":")
+    _, kwargs = _cluster(cfg)
+    return aredis.Redis(host=host.strip("[]"), port=int(port), retry=AsyncRetry(NoBackoff(), 0), **kwargs)
 
 
 class RedisTier(RemoteTier):
     def __init__(self, cfg: RemoteConfig, name: str = "redis") -> None:
         super().__init__(name, cfg)
-        self.cluster = urlsplit(cfg.url or "").scheme.endswith("-cluster")
+        self.cluster = is_cluster(cfg)
+        if self.cluster:
+            _cluster(cfg)  # a bad URL is a config error now, not at first use
         self._prefix = cfg.key_prefix
         self._px = int(cfg.ttl * 1000) if cfg.ttl else None
         self._headers: OrderedDict[bytes, PageHeader] = OrderedDict()
@@ -131,7 +157,8 @@ class RedisTier(RemoteTier):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="lmkv-redis", daemon=True)
         self._thread.start()
-        self._client = self._run_plain(self._make_client(), cfg.connect_timeout + 1)
+        self._client: Any = None if self.cluster else self._run_plain(self._make_client(), cfg.connect_timeout + 1)
+        self._node_clients: dict[str, aredis.Redis] = {}  # cluster: per node, used on the loop thread only
         self._reader_made: Any = None  # redis.Redis or redis.cluster.RedisCluster, made by _reader()
         self._reader_lock = threading.Lock()
         self.nodes = ClusterNodes(name, self._reader) if self.cluster else None
@@ -169,37 +196,62 @@ class RedisTier(RemoteTier):
         except TimeoutError as err:  # concurrent.futures timeout: the loop itself is stuck
             raise TierUnavailableError(f"{self.name}: no answer in {self.cfg.timeout} s") from err
 
-    def _per_node(self, names: Sequence[bytes], job: Callable[[list[int]], Awaitable[list]]) -> dict[int, Any]:
-        """``job(indices)`` once per node serving some of ``names``, concurrently, each with its own
-        deadline; per index, what its node's job returned. Indices on a node that is down, or that
-        fails now (and is marked down), are left out. Without a cluster: one job, and a failure
-        raises (the tier's own health takes it)."""
+    def _per_node(self, names: Sequence[bytes], job: Callable[[Any, list[int]], Awaitable[list]]) -> dict[int, Any]:
+        """``job(client, indices)`` once per node serving some of ``names``, concurrently, each with
+        its own client and deadline; per index, what its node's job returned. Indices on a node
+        that is down, or that fails now (and is marked down), are left out; those on a node that
+        answers ``MOVED`` are grouped again by a fresh slot map and tried once more. Without a
+        cluster: one job, and a failure raises (the tier's own health takes it)."""
         if self.nodes is None:
             every = list(range(len(names)))
-            return dict(zip(every, self._run(job(every))))
-        groups = self.nodes.group(names)
+            return dict(zip(every, self._run(job(self._client, every))))
 
-        async def each(idx: list[int]):
+        async def run(groups: dict[str, list[int]]):
+            return await asyncio.gather(*(self._on_node(node, job, idx) for node, idx in groups.items()))
+
+        out: dict[int, Any] = {}
+        todo = list(range(len(names)))
+        for attempt in range(2):
+            groups = {node: [todo[j] for j in idx]
+                      for node, idx in self.nodes.group([names[i] for i in todo]).items()}
             try:
-                return await asyncio.wait_for(job(idx), self.cfg.timeout)
-            except _UNREACHABLE as err:
-                return err
+                results = self._run_plain(run(groups), self.cfg.timeout + 1)
+            except TimeoutError as err:
+                raise TierUnavailableError(f"{self.name}: no answer in {self.cfg.timeout} s") from err
+            todo = []
+            for (node, idx), res in zip(groups.items(), results):
+                if isinstance(res, rexc.MovedError) and attempt == 0:
+                    todo += idx
+                elif isinstance(res, BaseException):
+                    self.stats.errors += 1
+                    self.nodes.failed(node, res)
+                else:
+                    out.update(zip(idx, res))
+            if not todo:
+                break
+            self.nodes.refresh()
+        return out
+
+    async def _on_node(self, node: str, job: Callable[[Any, list[int]], Awaitable[list]], idx: list[int]):
+        """``job`` with ``node``'s own client and the tier's deadline; what makes the node
+        unreachable, or a ``MOVED`` reply, is returned, not raised."""
+        try:
+            client = self._node_clients.get(node)
+            if client is None:
+                client = self._node_clients[node] = node_client(self.cfg, node)
+            return await asyncio.wait_for(job(client, idx), self.cfg.timeout)
+        except (*_UNREACHABLE, rexc.MovedError) as err:
+            return err
+
+    def _primaries(self, job: Callable[[Any, list[int]], Awaitable[list]]) -> list:
+        """What ``job(client, [])`` returns on each primary of the cluster that answers, concatenated."""
+        nodes = [n.name for n in self._reader().get_primaries()]
 
         async def run():
-            return await asyncio.gather(*(each(idx) for idx in groups.values()))
+            return await asyncio.gather(*(self._on_node(n, job, []) for n in nodes))
 
-        try:
-            results = self._run_plain(run(), self.cfg.timeout + 1)
-        except TimeoutError as err:
-            raise TierUnavailableError(f"{self.name}: no answer in {self.cfg.timeout} s") from err
-        out: dict[int, Any] = {}
-        for (node, idx), res in zip(groups.items(), results):
-            if isinstance(res, BaseException):
-                self.stats.errors += 1
-                self.nodes.failed(node, res)
-            else:
-                out.update(zip(idx, res))
-        return out
+        return [x for res in self._run_plain(run(), self.cfg.timeout + 1)
+                if not isinstance(res, BaseException) for x in res]
 
     def node_of(self, key: PageKey) -> str | None:
         """The cluster node (``host:port``) serving ``key``'s page now; ``None`` on one node."""
@@ -226,8 +278,8 @@ class RedisTier(RemoteTier):
     def _exists(self, keys: Sequence[PageKey]) -> list[bool]:
         names = [self._names(k)[0] for k in keys]
 
-        async def job(idx: list[int]) -> list[bool]:
-            async with self._client.pipeline(transaction=False) as pipe:
+        async def job(client, idx: list[int]) -> list[bool]:
+            async with client.pipeline(transaction=False) as pipe:
                 for i in idx:
                     pipe.exists(names[i])
                 return [bool(n) for n in await pipe.execute()]
@@ -333,17 +385,19 @@ class RedisTier(RemoteTier):
         pages whose node is down raise :class:`PartlyStoredError` once the rest are written."""
         names = [self._names(h.key) for h, _ in pages]
 
-        async def job(idx: list[int]) -> list[bool]:
+        async def job(client, idx: list[int]) -> list[bool]:
             ok: list[bool] = []
             for i in idx:
                 try:
-                    ok.append(await self._client.set(names[i][1], pages[i][1], px=self._px) is True)
+                    ok.append(await client.set(names[i][1], pages[i][1], px=self._px) is True)
+                except rexc.MovedError:
+                    raise
                 except rexc.ResponseError as err:
                     self._refused(err)
                     ok.append(False)
             todo = [i for i, good in zip(idx, ok) if good]
             if todo:
-                async with self._client.pipeline(transaction=False) as pipe:
+                async with client.pipeline(transaction=False) as pipe:
                     for i in todo:
                         pipe.set(names[i][0], pages[i][0].pack(), px=self._px)
                     replies = dict(zip(todo, await pipe.execute(raise_on_error=False)))
@@ -376,8 +430,8 @@ class RedisTier(RemoteTier):
             self._remember(k, None)
         names = [self._names(k) for k in keys]
 
-        async def job(idx: list[int]) -> list[int]:
-            async with self._client.pipeline(transaction=False) as pipe:
+        async def job(client, idx: list[int]) -> list[int]:
+            async with client.pipeline(transaction=False) as pipe:
                 for i in idx:
                     pipe.delete(*names[i])
                 return await pipe.execute()
@@ -390,24 +444,14 @@ class RedisTier(RemoteTier):
 
     def _fetch_usage(self) -> tuple[int, int, int]:
         """Summed over the primaries that answer (a down node is left out, not a failed tier)."""
-        async def one(**target):
-            info = await self._client.info("memory", **target)
-            return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), await self._client.dbsize(**target)
+        async def one(client, idx: list[int]) -> list[tuple[int, int, int]]:
+            info = await client.info("memory")
+            return [(int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), await client.dbsize())]
 
         if not self.cluster:
-            used, cap, n = self._run(one())
+            used, cap, n = self._run(one(self._client, [0]))[0]
             return used, cap, n // 2
-
-        async def each(node):
-            try:
-                return await asyncio.wait_for(one(target_nodes=node), self.cfg.timeout)
-            except _UNREACHABLE:
-                return (0, 0, 0)
-
-        async def run():
-            return await asyncio.gather(*(each(n) for n in self._client.get_primaries()))
-
-        parts = self._run_plain(run(), self.cfg.timeout + 1)
+        parts = self._primaries(one)
         used, cap, n = (sum(col) for col in zip(*parts)) if parts else (0, 0, 0)
         return used, cap, n // 2
 
@@ -415,10 +459,12 @@ class RedisTier(RemoteTier):
         super().close()
         if self.nodes is not None:
             self.nodes.close()
-        try:
-            self._run_plain(self._client.aclose(), 2)
-        except Exception:  # closing a client whose server is gone must not fail shutdown
-            pass
+        for client in [self._client, *self._node_clients.values()]:
+            try:
+                if client is not None:
+                    self._run_plain(client.aclose(), 2)
+            except Exception:  # closing a client whose server is gone must not fail shutdown
+                pass
         if self._reader_made is not None:
             self._reader_made.close()
         self._loop.call_soon_threadsafe(self._loop.stop)

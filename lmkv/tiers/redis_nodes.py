@@ -65,6 +65,14 @@ class ClusterNodes:
         with self._lock:
             return sorted(n for n, h in self._health.items() if not h.up)
 
+    def refresh(self) -> None:
+        """Ask the cluster for its slot map again (a node answered ``MOVED``: a slot moved). A
+        cluster that cannot answer now keeps the old map: its nodes' own failures tell."""
+        try:
+            self._client().nodes_manager.initialize()
+        except Exception:  # noqa: BLE001 - the next command to a stale node fails and marks it
+            pass
+
     def _ping(self, node: str) -> str | None:
         """Raise while ``node``'s slots are unserved; say how they are served again."""
         c = self._client()
