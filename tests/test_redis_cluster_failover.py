@@ -152,11 +152,16 @@ def test_a_lost_primary_costs_only_its_own_slots(cluster, layout, caplog, fault)
 
 
 def _replica_of(port: int) -> int:
-    out = subprocess.run(["redis-cli", "-p", str(port), "cluster", "nodes"], capture_output=True, text=True,
-                         timeout=10).stdout
-    rows = [line.split() for line in out.splitlines()]
-    me = next(f[0] for f in rows if "myself" in f[2])
-    return next(int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in rows if f[3] == me)
+    """The port of a replica the primary on ``port`` streams to (once it is online)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        out = subprocess.run(["redis-cli", "-p", str(port), "info", "replication"], capture_output=True, text=True,
+                             timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("slave") and "state=online" in line:
+                return int(dict(kv.split("=") for kv in line.split(":", 1)[1].split(","))["port"])
+        time.sleep(0.05)
+    raise AssertionError(f"no replica of {port} online")
 
 
 def _role(port: int) -> str:
@@ -174,8 +179,8 @@ def test_a_manual_failover_moves_slots_without_an_outage(cluster, layout, caplog
         keys, payloads, pages = make_pages(layout, 60)
         assert tier.put(pages, "engine") == [True] * 60
         old, on, _ = _victim_and_pages(tier, keys)
-        new = _replica_of(old)
         _replicated(old)
+        new = _replica_of(old)
         subprocess.run(["redis-cli", "-p", str(new), "cluster", "failover"], check=True, capture_output=True)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and (_role(new), _role(old)) != ("master", "slave"):
