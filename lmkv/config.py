@@ -144,8 +144,9 @@ class OffloadConfig(_Section):
         "the default is a copy's cost against a recompute's (an 8B model's page over PCIe: ~1/10); 0: copy every "
         "due block")
     min_reuse_rate: float = Field(
-        0.1, ge=0, le=1, description="lazy: a family whose requests repeat most of an earlier prompt less "
-        "often than this looks one-shot (a class of the need estimate; with a declared link, not copied)")
+        0.1, ge=0, le=1, description="lazy: a family whose requests (those older than the reuse horizon) "
+        "repeat most of an earlier prompt less often than this looks one-shot (a class of the need estimate; "
+        "with a declared link, not copied unless the estimate shows blocks like them needed)")
 
 
 class RemoteConfig(_Section):

@@ -8,6 +8,7 @@ pytest.importorskip("vllm")
 
 from lmkv.config import OffloadConfig  # noqa: E402
 from lmkv.offload.lazy import LazyOffload  # noqa: E402
+from lmkv.offload.reuse import MIN_WATCH_STEPS  # noqa: E402
 from lmkv.offload.sim import SimConfig, distinct_blocks, make_manager, make_request, simulate  # noqa: E402
 from lmkv.offload.traces import generate, load, save  # noqa: E402
 
@@ -311,10 +312,11 @@ def test_simulator_lazy_writes_less_than_eager_and_never_stale():
     assert lazy.hit_tokens >= 0.97 * eager.hit_tokens
 
 
-def test_one_shot_families_are_a_class_and_with_a_link_not_copied(engine):
+def test_one_shot_families_are_a_class_and_with_a_link_not_copied_unless_shown_needed(engine):
     """A family (same first page) whose prompts never repeat the rest: with a declared link its blocks
-    are not copied; without one, its blocks are a class of their own for the need estimate (copied
-    until blocks like them are shown, in enough lineages, not to be needed)."""
+    are not copied unless the need estimate shows blocks like them needed; without one, its blocks
+    are a class of their own for the need estimate (copied until blocks like them are shown, in
+    enough lineages, not to be needed)."""
     mgr, queue, finish = engine
     once = finish("once", list(range(3, 3 + 3 * BS)))
     kept = finish("kept", list(range(900, 900 + 3 * BS)))
@@ -325,11 +327,18 @@ def test_one_shot_families_are_a_class_and_with_a_link_not_copied(engine):
             p.note_chain([once[0], bytes([i]) * 36, bytes([i + 9]) * 36])
         for _ in range(3):  # the same prompt again and again: a family that repeats (never served from
             p.note_chain(kept)  # cache here, which must not count against it)
+        for _ in range(MIN_WATCH_STEPS):  # a family is judged on requests older than its reuse horizon
+            p.note_step(0)
         p.note_step(200)
-        assert p.reuse.one_shot(once[1]) and not p.reuse.one_shot(kept[1])
+        assert p.reuse.one_shot(once[1], p._step) and not p.reuse.one_shot(kept[1], p._step)
         picks = {x.block_hash for x in p.plan(queue)}
         assert picks == (set(kept) if link else set(kept) | set(once))
         assert p.reuse._class(once[2], p._step)[0] and not p.reuse._class(kept[2], p._step)[0]
+        if link:  # the estimate shows blocks like these needed after all (a third of 30 lineages'):
+            c = p.reuse._class(once[2], p._step)  # the evidence overrides the family rule
+            for i in range(30):
+                p.reuse.need.add(c, f"lineage{i}", needed=i % 3 == 0)
+            assert p.reuse.one_shot(once[2], p._step) and {x.block_hash for x in p.plan(queue)} == set(once)
 
 
 def test_a_declared_link_is_kept_busy_with_early_copies_of_fresh_blocks(engine):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lmkv.offload.need import WINDOW, Counts, NeedEstimate, upper_bound
+from lmkv.offload.need import WINDOW, Counts, NeedEstimate, lower_bound, upper_bound
 from lmkv.offload.reuse import BRANCHES, EXTENDS, MIN_WATCH_STEPS, SINGLE, ReuseModel, idle_bucket
 
 
@@ -31,6 +31,20 @@ def test_the_upper_bound_is_wilsons_and_tightens_only_with_observations():
     assert upper_bound(0.2, 400) == pytest.approx(0.2349, abs=1e-4)  # (Wilson, z = 1.645)
     assert upper_bound(0.2, 10) > 0.4  # the same rate from a few observations proves little
     assert Counts(needed=1, blocks=100, sources=1).bound > 0.7  # one lineage's hundred blocks: one observation
+
+
+def test_the_lower_bound_is_wilsons_and_shows_a_need_only_with_evidence():
+    assert lower_bound(0.5, 0) == 0.0 and lower_bound(0.0, 50) == 0.0
+    assert lower_bound(0.2, 400) == pytest.approx(0.1692, abs=1e-4)  # (Wilson, z = 1.645)
+    assert lower_bound(0.2, 400) < 0.2 < upper_bound(0.2, 400)
+    est = NeedEstimate(min_need_rate=0.1)
+    for i in range(10):  # 3 in 10 lineages needed: the bound is ~0.13
+        est.add("c", f"lineage{i}", needed=i < 3)
+    assert est.shown_needed("c")
+    est2 = NeedEstimate(min_need_rate=0.1)
+    for i in range(10):
+        est2.add("c", f"lineage{i}", needed=i < 2)  # 2 in 10: not shown at 95%
+    assert not est2.shown_needed("c") and not est2.skip("c") and not est2.shown_needed("unseen")
 
 
 def test_a_class_is_skipped_only_with_enough_independent_evidence():
@@ -145,17 +159,44 @@ def test_a_decoded_page_counts_for_its_request_s_lineage():
 
 
 def test_one_shot_families_and_forgetting():
+    """A family is judged on requests older than the reuse horizon only: until then a second turn
+    may still come for each of them."""
     m = ReuseModel(2, 0.1, min_family_requests=8, min_reuse_rate=0.1)
     for i in range(10):
-        note(m, chain("stream-sys", f"p{i}a", f"p{i}b"))
-    assert m.one_shot(b"p3a") and m._class(b"p3a", 0)[0]
-    assert not ReuseModel(2, 0.1, min_family_requests=16, min_reuse_rate=0.1).one_shot(b"p3a")
+        note(m, chain("stream-sys", f"p{i}a", f"p{i}b"), step=i)
+    later = 7 + MIN_WATCH_STEPS
+    assert not m.one_shot(b"p3a", 9) and not m.one_shot(b"p3a", later)  # (7 requests old enough)
+    assert m.one_shot(b"p3a", later + 1) and m._class(b"p3a", later + 1)[0]
+    assert not ReuseModel(2, 0.1, min_family_requests=16, min_reuse_rate=0.1).one_shot(b"p3a", later + 1)
     assert len(m._lineages) == 2  # bounded
     for i in range(5):  # one-shot prompts without a shared first page: one family each, bounded too
         note(m, chain(f"alone{i}", "x"))
     assert len(m._families) == 2
     m.forget(b"p3a")
-    assert not m.one_shot(b"p3a")  # a block it no longer knows
+    assert not m.one_shot(b"p3a", later + 1)  # a block it no longer knows
+
+
+def test_a_conversation_service_is_not_one_shot_once_its_second_turns_come():
+    """Every first turn looks one-shot until its second turn comes: a family whose requests come
+    back after a gap longer than the shortest watch is judged only once that gap has passed."""
+    m = ReuseModel(100, 0.1, min_family_requests=8, min_reuse_rate=0.1)
+    gap = 4 * MIN_WATCH_STEPS
+    def turn(i: int) -> list[bytes]:
+        return chain("chat-sys", f"c{i}a", f"c{i}b", f"c{i}c")
+
+    for i in range(40):  # first turns, then each one's second turn `gap` steps later
+        note(m, turn(i), step=10 * i)
+    assert m.one_shot(b"c0a", gap - 1)  # (no second turn seen yet: nothing says one will come)
+    for i in range(40):
+        m.note_block(f"c{i}t2".encode(), b"chat-sys")
+        m.note_request(turn(i) + chain(f"c{i}t2"), 1, 10 * i + gap)
+        # once the long gaps are more than 5% of the reuses seen (the first turns' own reuse of the
+        # system prompt is the rest), the horizon covers them and the family is judged again
+        assert m.one_shot(b"c0a", 10 * i + gap) == (i < 2)
+    assert m._families[b"chat-sys"].horizon >= gap
+    for i in range(40):  # a stream of one-shot prompts beside it: judged on its own (short) reuses
+        note(m, chain("stream-sys", f"s{i}a", f"s{i}b", f"s{i}c"), step=10 * i + gap)
+    assert m.one_shot(b"s0a", 390 + gap + MIN_WATCH_STEPS) and not m.one_shot(b"c0a", 390 + gap + MIN_WATCH_STEPS)
 
 
 def test_idle_time_separates_a_session_between_turns_from_one_that_ended():
@@ -208,7 +249,7 @@ def test_no_miss_is_settled_before_most_reuses_would_have_come():
     for i in range(20):  # prefixes that came back after ~3000 steps
         note(m, chain(*SYSTEM, f"p{i}"), step=0)
         note(m, chain(*SYSTEM, f"p{i}", "more"), cached=2, step=3000)
-    assert m._reuse_horizon() == 4096
+    assert m._horizon_now == 4096
     note(m, chain(*SYSTEM, "w", "x"), step=3000)
     c = m.watch(b"x", 3000)
     m.settle(3000 + MIN_WATCH_STEPS + 1)

@@ -32,12 +32,21 @@ WINDOW = 4096
 
 def upper_bound(p: float, n: float) -> float:
     """Wilson's one-sided upper confidence bound of a rate ``p`` observed over ``n`` trials (1 for none)."""
+    return _wilson(p, n, +1)
+
+
+def lower_bound(p: float, n: float) -> float:
+    """Wilson's one-sided lower confidence bound of a rate ``p`` observed over ``n`` trials (0 for none)."""
+    return _wilson(p, n, -1)
+
+
+def _wilson(p: float, n: float, side: int) -> float:
     if n <= 0:
-        return 1.0
+        return 1.0 if side > 0 else 0.0
     z2 = Z * Z
     centre = p + z2 / (2 * n)
     spread = Z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return min(1.0, (centre + spread) / (1 + z2 / n))
+    return min(1.0, max(0.0, (centre + side * spread) / (1 + z2 / n)))
 
 
 @dataclass
@@ -53,6 +62,10 @@ class Counts:
     @property
     def bound(self) -> float:
         return upper_bound(self.rate, self.sources)
+
+    @property
+    def low(self) -> float:
+        return lower_bound(self.rate, self.sources)
 
 
 class NeedEstimate:
@@ -100,3 +113,9 @@ class NeedEstimate:
         than ``min_need_rate``, at 95% confidence."""
         k = self.counts.get(c)
         return k is not None and k.bound < self.min_need_rate
+
+    def shown_needed(self, c: Hashable) -> bool:
+        """Whether blocks of class ``c`` were needed again at least ``min_need_rate`` of the time, at 95%
+        confidence (the evidence that overrides a rule of thumb that would leave them uncopied)."""
+        k = self.counts.get(c)
+        return k is not None and k.low >= self.min_need_rate

@@ -37,9 +37,10 @@ against a recompute (see :mod:`lmkv.offload.need`).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmkv.keys import EngineBlockKey
 from lmkv.offload.need import NeedEstimate
@@ -62,7 +63,23 @@ REUSE_SHARE = 0.95
 #: buckets of reuse gaps (powers of two of steps)
 GAP_BUCKETS = 32
 
-Class = tuple[bool, int, int, int]  # (family looks one-shot, uses row, lineage kind, idle bucket)
+#: request times a family keeps (at least; older ones are only counted)
+FAMILY_STEPS = 4096
+
+Class = tuple[bool, int, int, int]
+
+
+def reuse_horizon(gaps: list[int]) -> int:
+    """Steps within which 95% of the reuses counted in ``gaps`` (by power of two) came, the upper edge of
+    their bucket; never under :data:`MIN_WATCH_STEPS` (nothing is judged on a shorter wait: a return
+    that takes longer than any seen so far may not have had its first chance yet)."""
+    total = sum(gaps)
+    seen = 0
+    for b, n in enumerate(gaps):
+        seen += n
+        if seen >= REUSE_SHARE * total:
+            return max(MIN_WATCH_STEPS, 1 << b)
+    return MIN_WATCH_STEPS  # (family looks one-shot, uses row, lineage kind, idle bucket)
 
 #: no block has an empty key: what a lookup of a block's family or lineage falls back to
 _NO_BLOCK = EngineBlockKey(b"")
@@ -76,8 +93,25 @@ def idle_bucket(idle: int) -> int:
 @dataclass
 class Family:
     shared: list[EngineBlockKey]  # the pages every request of the family began with so far
-    requests: int = 0
     repeats: int = 0  # requests most of whose pages were used before
+    steps: list[int] = field(default_factory=list)  # when its latest requests came, oldest first
+    older: int = 0  # requests before those (older than any reuse horizon lmkv judges by)
+    gaps: list[int] = field(default_factory=lambda: [0] * GAP_BUCKETS)  # its requests' reuse gaps
+    horizon: int = MIN_WATCH_STEPS  # within which 95% of its reuses came
+
+    @property
+    def requests(self) -> int:
+        return self.older + len(self.steps)
+
+    def came(self, step: int) -> None:
+        self.steps.append(step)
+        if len(self.steps) > 2 * FAMILY_STEPS:
+            del self.steps[:FAMILY_STEPS]
+            self.older += FAMILY_STEPS
+
+    def before(self, step: int) -> int:
+        """Requests that came before ``step``."""
+        return self.older + bisect_left(self.steps, step)
 
 
 @dataclass
@@ -123,6 +157,7 @@ class ReuseModel:
         self.horizon: dict[Class, int] = {}
         #: requests that reused a prefix, by how long it lay unused (steps, powers of two)
         self._reuse_gaps = [0] * GAP_BUCKETS
+        self._horizon_now = MIN_WATCH_STEPS  # reuse_horizon(self._reuse_gaps), kept up to date
         #: per class: block -> step watched, oldest first
         self._watch: dict[Class, OrderedDict[EngineBlockKey, int]] = {}
         self._watched: dict[EngineBlockKey, Class] = {}
@@ -171,8 +206,6 @@ class ReuseModel:
             self.uses[h] = self.uses.get(h, 0) + 1
             self._touched[h] = step
             self._outcome(h, step, needed=i >= cached)
-        if gap >= 0:
-            self._reuse_gaps[min(GAP_BUCKETS - 1, gap.bit_length())] += 1
         fam = self._families.get(hashes[0])
         if fam is None:
             fam = self._families[hashes[0]] = Family(list(hashes))
@@ -180,7 +213,13 @@ class ReuseModel:
                 self._families.popitem(last=False)
         else:
             self._families.move_to_end(hashes[0])
-        fam.requests += 1
+        if gap >= 0:
+            bucket = min(GAP_BUCKETS - 1, gap.bit_length())
+            self._reuse_gaps[bucket] += 1
+            self._horizon_now = reuse_horizon(self._reuse_gaps)
+            fam.gaps[bucket] += 1
+            fam.horizon = reuse_horizon(fam.gaps)
+        fam.came(step)
         fam.repeats += seen >= 0.5 * len(hashes)
         self._note_lineage(fam, hashes)
 
@@ -218,17 +257,23 @@ class ReuseModel:
             self._lineages.popitem(last=False)
         return lin
 
-    def one_shot(self, h: EngineBlockKey) -> bool:
+    def one_shot(self, h: EngineBlockKey, step: int) -> bool:
         """Whether ``h``'s family, after enough requests, repeats an earlier prompt less often than the
-        configured rate (a stream of one-shot prompts)."""
+        configured rate (a stream of one-shot prompts). Only requests older than the family's reuse
+        horizon (within which 95% of the reuses its requests showed came) are judged: a conversation
+        service's first turns all look one-shot until their second turns come, tens of seconds later,
+        while a stream of one-shot prompts (whose only reuse is its system prompt's) is judged soon."""
         fam = self._families.get(self._root.get(h, _NO_BLOCK))
-        return fam is not None and fam.requests >= self._min_requests and fam.repeats < self._min_rate * fam.requests
+        if fam is None:
+            return False
+        judged = fam.before(step - fam.horizon)
+        return judged >= self._min_requests and fam.repeats < self._min_rate * judged
 
     # -- outcomes --------------------------------------------------------------
 
     def _class(self, h: EngineBlockKey, step: int) -> Class:
         lin = self._lineages.get(self._lineage_of.get(h, _NO_BLOCK))
-        return (self.one_shot(h), min(self.uses.get(h, 0), MAX_USES), SINGLE if lin is None else lin.kind,
+        return (self.one_shot(h, step), min(self.uses.get(h, 0), MAX_USES), SINGLE if lin is None else lin.kind,
                 idle_bucket(step - self._touched.get(h, step)))
 
     def _source(self, h: EngineBlockKey) -> EngineBlockKey:
@@ -238,6 +283,10 @@ class ReuseModel:
     def skippable(self, h: EngineBlockKey, step: int) -> bool:
         """Watch a block near eviction; whether blocks like it may go uncopied (:mod:`lmkv.offload.need`)."""
         return self.need.skip(self.watch(h, step))
+
+    def shown_needed(self, h: EngineBlockKey, step: int) -> bool:
+        """Watch a block near eviction; whether blocks like it were shown to be needed (:mod:`lmkv.offload.need`)."""
+        return self.need.shown_needed(self.watch(h, step))
 
     def watch(self, h: EngineBlockKey, step: int) -> Class:
         """Start watching a block near eviction (or one copied for it); its class as of now. A block has
@@ -280,16 +329,6 @@ class ReuseModel:
         if len(self._missed) > WATCH_LIMIT:
             self._missed.popitem(last=False)
 
-    def _reuse_horizon(self) -> int:
-        """Steps within which 95% of the reuses seen came (the upper edge of their power of two)."""
-        total = sum(self._reuse_gaps)
-        seen = 0
-        for b, n in enumerate(self._reuse_gaps):
-            seen += n
-            if seen >= REUSE_SHARE * total:
-                return 1 << b
-        return 0
-
     def tally(self) -> list[tuple[float, float]]:
         """Per class, (blocks needed, blocks watched), the blocks still watched counted as not needed (as
         the end of a run settles them): for evaluation (``lmkv bench offload``'s hindsight bound)."""
@@ -302,8 +341,7 @@ class ReuseModel:
 
     def settle(self, step: int) -> None:
         """Watched blocks nobody asked for within their class's horizon count as not needed."""
-        reuse = self._reuse_horizon()
         for c, fifo in self._watch.items():
-            horizon = max(self.horizon.get(c, MIN_WATCH_STEPS), reuse)
+            horizon = max(self.horizon.get(c, MIN_WATCH_STEPS), self._horizon_now)
             while fifo and step - next(iter(fifo.values())) > horizon:
                 self._settle_one(c, fifo)
