@@ -344,7 +344,8 @@ class LazyOffload:
         if self.in_tier(h) or h in self.inflight:
             return False
         if self.link_bound:
-            return not self.reuse.one_shot(h, self._step) or (self.estimating and self.reuse.shown_needed(h, self._step))
+            step = self._step
+            return not self.reuse.one_shot(h, step) or (self.estimating and self.reuse.shown_needed(h, step))
         if self.estimating and self.reuse.skippable(h, self._step):
             self.stats.unlikely += 1
             return False
