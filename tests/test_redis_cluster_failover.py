@@ -27,6 +27,21 @@ def cluster():
         yield c
 
 
+@pytest.fixture
+def tier(cluster, caplog):
+    """The tier on the cluster, 60 pages stored, with lmkv's warnings captured."""
+    caplog.set_level(logging.WARNING, logger="lmkv")
+    t = RedisTier(RemoteConfig(url=cluster.url, timeout=0.5, connect_timeout=0.3))
+    yield t
+    t.close()
+
+
+def _stored(tier: RedisTier, layout):
+    keys, payloads, pages = make_pages(layout, 60)
+    assert tier.put(pages, "engine") == [True] * 60
+    return keys, payloads
+
+
 def _replicated(port: int) -> None:
     """Wait until each primary's replica holds what the primary holds."""
     deadline = time.monotonic() + 10
@@ -109,46 +124,40 @@ def _outage_logs(caplog, victim: int) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_a_lost_primary_costs_only_its_own_slots(cluster, layout, caplog, fault):
-    caplog.set_level(logging.WARNING, logger="lmkv")
-    tier = RedisTier(RemoteConfig(url=cluster.url, timeout=0.5, connect_timeout=0.3))
-    try:
-        keys, payloads, pages = make_pages(layout, 60)
-        assert tier.put(pages, "engine") == [True] * 60
-        victim, on, off = _victim_and_pages(tier, keys)
-        assert on and off
-        for p in cluster_primaries(cluster.ports[0]):
-            _replicated(p)
-        proc = cluster.procs[cluster.ports.index(victim)]
-        with Load(tier, keys, payloads, layout) as load:
-            time.sleep(0.3)
-            t0 = time.monotonic()
-            os.kill(proc.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-            if fault == "hang":  # back before the cluster gives up on it
-                time.sleep(1.0)
-                os.kill(proc.pid, signal.SIGCONT)
-            deadline = t0 + 20
-            while time.monotonic() < deadline and not (
-                    load.reads and load.reads[-1][0] > t0 and all(load.reads[-1][1])):
-                time.sleep(0.05)
-            back = time.monotonic() - t0
-            time.sleep(0.5)  # the writer writes to every slot again
-        assert not load.raised and load.wrong == 0
-        during = [hits for t, hits in load.reads if t > t0]
-        survivors = [hits[i] for hits in during for i in off]
-        victims = [hits[i] for hits in during for i in on]
-        assert all(survivors), f"{survivors.count(False)} of {len(survivors)} reads of surviving slots missed"
-        assert not all(victims)  # the victim's pages did miss meanwhile ...
-        assert all(load.reads[-1][1]), f"still missing {back:.1f} s after the {fault}"  # ... and are back
-        assert load.slowest < 5
-        assert _outage_logs(caplog, victim) == (1, 1, 0)
-        # what the writer was told is stored is there; pages for the dead node were reported unreachable
-        got = tier.get([k for k, _ in load.written], layout,
-                       outs := [np.zeros(layout.payload_bytes, np.uint8) for _ in load.written])
-        assert all(h is not None for h in got)
-        assert all(np.array_equal(o, p) for o, (_, p) in zip(outs, load.written))
-    finally:
-        tier.close()
+def test_a_lost_primary_costs_only_its_own_slots(cluster, tier, layout, caplog, fault):
+    keys, payloads = _stored(tier, layout)
+    victim, on, off = _victim_and_pages(tier, keys)
+    assert on and off
+    for p in cluster_primaries(cluster.ports[0]):
+        _replicated(p)
+    proc = cluster.procs[cluster.ports.index(victim)]
+    with Load(tier, keys, payloads, layout) as load:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        if fault == "hang":  # back before the cluster gives up on it
+            time.sleep(1.0)
+            os.kill(proc.pid, signal.SIGCONT)
+        deadline = t0 + 20
+        while time.monotonic() < deadline and not (
+                load.reads and load.reads[-1][0] > t0 and all(load.reads[-1][1])):
+            time.sleep(0.05)
+        back = time.monotonic() - t0
+        time.sleep(0.5)  # the writer writes to every slot again
+    assert not load.raised and load.wrong == 0
+    during = [hits for t, hits in load.reads if t > t0]
+    survivors = [hits[i] for hits in during for i in off]
+    victims = [hits[i] for hits in during for i in on]
+    assert all(survivors), f"{survivors.count(False)} of {len(survivors)} reads of surviving slots missed"
+    assert not all(victims)  # the victim's pages did miss meanwhile ...
+    assert all(load.reads[-1][1]), f"still missing {back:.1f} s after the {fault}"  # ... and are back
+    assert load.slowest < 5
+    assert _outage_logs(caplog, victim) == (1, 1, 0)
+    # what the writer was told is stored is there; pages for the dead node were reported unreachable
+    got = tier.get([k for k, _ in load.written], layout,
+                   outs := [np.zeros(layout.payload_bytes, np.uint8) for _ in load.written])
+    assert all(h is not None for h in got)
+    assert all(np.array_equal(o, p) for o, (_, p) in zip(outs, load.written))
 
 
 def _replica_of(port: int) -> int:
@@ -169,32 +178,26 @@ def _role(port: int) -> str:
     return out.split()[0] if out else ""
 
 
-def test_a_manual_failover_moves_slots_without_an_outage(cluster, layout, caplog):
+def test_a_manual_failover_moves_slots_without_an_outage(tier, layout, caplog):
     """``CLUSTER FAILOVER`` on a replica: the old primary answers ``MOVED`` for the slots it gave
     up; the tier reads the slot map again and writes to the new primary. No page refused, none
     lost, no outage logged."""
-    caplog.set_level(logging.WARNING, logger="lmkv")
-    tier = RedisTier(RemoteConfig(url=cluster.url, timeout=0.5, connect_timeout=0.3))
-    try:
-        keys, payloads, pages = make_pages(layout, 60)
-        assert tier.put(pages, "engine") == [True] * 60
-        old, on, _ = _victim_and_pages(tier, keys)
-        _replicated(old)
-        new = _replica_of(old)
-        subprocess.run(["redis-cli", "-p", str(new), "cluster", "failover"], check=True, capture_output=True)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (_role(new), _role(old)) != ("master", "slave"):
-            time.sleep(0.05)
-        assert (_role(new), _role(old)) == ("master", "slave")
-        assert tier.node_of(keys[on[0]]).endswith(f":{old}")  # the tier's map is stale now
-        more, more_payloads, more_pages = make_pages(layout, 60, 500)
-        assert tier.put(more_pages, "engine") == [True] * 60  # MOVED: the map read again, retried
-        assert tier.node_of(keys[on[0]]).endswith(f":{new}")
-        assert tier.contains(keys + more) == [True] * 120
-        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys + more]
-        assert all(h is not None for h in tier.get(keys + more, layout, outs))
-        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads + more_payloads))
-        assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
-        assert tier.stats.errors == 0
-    finally:
-        tier.close()
+    keys, payloads = _stored(tier, layout)
+    old, on, _ = _victim_and_pages(tier, keys)
+    _replicated(old)
+    new = _replica_of(old)
+    subprocess.run(["redis-cli", "-p", str(new), "cluster", "failover"], check=True, capture_output=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (_role(new), _role(old)) != ("master", "slave"):
+        time.sleep(0.05)
+    assert (_role(new), _role(old)) == ("master", "slave")
+    assert tier.node_of(keys[on[0]]).endswith(f":{old}")  # the tier's map is stale now
+    more, more_payloads, more_pages = make_pages(layout, 60, 500)
+    assert tier.put(more_pages, "engine") == [True] * 60  # MOVED: the map read again, retried
+    assert tier.node_of(keys[on[0]]).endswith(f":{new}")
+    assert tier.contains(keys + more) == [True] * 120
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys + more]
+    assert all(h is not None for h in tier.get(keys + more, layout, outs))
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads + more_payloads))
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert tier.stats.errors == 0
