@@ -61,12 +61,12 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
   unless the need estimate shows blocks like them needed at least ``min_need_rate`` of the
   time at 95% confidence. Repetition is judged on what was seen, not on what was served
   from cache, so skipping copies can never make a family look one-shot; and only on
-  requests older than the reuse horizon (within which 95% of the reuses seen came): a
+  requests older than the family's reuse horizon (within which 95% of its reuses came): a
   conversation service's first turns all look one-shot until their second turns come,
   tens of seconds later (on the Mooncake trace under a link at half eager's rate its one
   family was skipped for its first minutes: judged so, lmkv lost 0.76x eager's blocks
   instead of 1.22x. The price: a stream of one-shot prompts is judged 512 steps later,
-  and the generator's seeds 1-4 lost 0.61x eager's instead of 0.34x).
+  and on the generator (8 seeds) lmkv lost 0.64x eager's blocks instead of 0.40x).
 
 Only the danger zone is walked each step (O(depth), not O(blocks)), and only until the
 step's copies are planned. The engine side is the :class:`FreeQueue` protocol;
