@@ -29,7 +29,7 @@ def cluster():
 
 @pytest.fixture
 def tier(cluster, caplog):
-    """The tier on the cluster, 60 pages stored, with lmkv's warnings captured."""
+    """The tier on the cluster, with lmkv's warnings captured; closed after the test."""
     caplog.set_level(logging.WARNING, logger="lmkv")
     t = RedisTier(RemoteConfig(url=cluster.url, timeout=0.5, connect_timeout=0.3))
     yield t

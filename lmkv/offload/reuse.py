@@ -66,7 +66,7 @@ GAP_BUCKETS = 32
 #: request times a family keeps (at least; older ones are only counted)
 FAMILY_STEPS = 4096
 
-Class = tuple[bool, int, int, int]
+Class = tuple[bool, int, int, int]  # (family looks one-shot, uses row, lineage kind, idle bucket)
 
 
 def reuse_horizon(gaps: list[int]) -> int:
@@ -79,7 +79,7 @@ def reuse_horizon(gaps: list[int]) -> int:
         seen += n
         if seen >= REUSE_SHARE * total:
             return max(MIN_WATCH_STEPS, 1 << b)
-    return MIN_WATCH_STEPS  # (family looks one-shot, uses row, lineage kind, idle bucket)
+    return MIN_WATCH_STEPS
 
 #: no block has an empty key: what a lookup of a block's family or lineage falls back to
 _NO_BLOCK = EngineBlockKey(b"")

@@ -134,13 +134,13 @@ def make_client(cfg: RemoteConfig, asyncio_client: bool = True):
     return cls.from_url(cfg.url or "", **tls, **_common_kwargs(cfg))
 
 
-def node_client(cfg: RemoteConfig, node: str) -> aredis.Redis:
-    """An asyncio client of one cluster node (``host:port``), with connections of its own."""
+def node_client(node: str, kwargs: dict[str, Any]) -> aredis.Redis:
+    """An asyncio client of one cluster node (``host:port``), with connections of its own; ``kwargs``:
+    the cluster's (:func:`_cluster`)."""
     from redis.asyncio.retry import Retry as AsyncRetry
     from redis.backoff import NoBackoff
 
     host, _, port = node.rpartition(":")
-    _, kwargs = _cluster(cfg)
     return aredis.Redis(host=host.strip("[]"), port=int(port), retry=AsyncRetry(NoBackoff(), 0), **kwargs)
 
 
@@ -148,8 +148,8 @@ class RedisTier(RemoteTier):
     def __init__(self, cfg: RemoteConfig, name: str = "redis") -> None:
         super().__init__(name, cfg)
         self.cluster = is_cluster(cfg)
-        if self.cluster:
-            _cluster(cfg)  # a bad URL is a config error now, not at first use
+        #: a cluster node's client's settings (parsed now: a bad URL is a config error here, not at first use)
+        self._node_kwargs = _cluster(cfg)[1] if self.cluster else {}
         self._prefix = cfg.key_prefix
         self._px = int(cfg.ttl * 1000) if cfg.ttl else None
         self._headers: OrderedDict[bytes, PageHeader] = OrderedDict()
@@ -232,26 +232,25 @@ class RedisTier(RemoteTier):
             self.nodes.refresh()
         return out
 
-    async def _on_node(self, node: str, job: Callable[[Any, list[int]], Awaitable[list]], idx: list[int]):
-        """``job`` with ``node``'s own client and the tier's deadline; what makes the node
-        unreachable, or a ``MOVED`` reply, is returned, not raised."""
+    async def _on_node(self, node: str, call: Callable[..., Awaitable], *args: Any):
+        """``call(client, *args)`` with ``node``'s own client and the tier's deadline; what makes the
+        node unreachable, or a ``MOVED`` reply, is returned, not raised."""
         try:
             client = self._node_clients.get(node)
             if client is None:
-                client = self._node_clients[node] = node_client(self.cfg, node)
-            return await asyncio.wait_for(job(client, idx), self.cfg.timeout)
+                client = self._node_clients[node] = node_client(node, self._node_kwargs)
+            return await asyncio.wait_for(call(client, *args), self.cfg.timeout)
         except (*_UNREACHABLE, rexc.MovedError) as err:
             return err
 
-    def _primaries(self, job: Callable[[Any, list[int]], Awaitable[list]]) -> list:
-        """What ``job(client, [])`` returns on each primary of the cluster that answers, concatenated."""
+    def _primaries(self, call: Callable[[Any], Awaitable]) -> list:
+        """What ``call(client)`` returns on each primary of the cluster that answers."""
         nodes = [n.name for n in self._reader().get_primaries()]
 
         async def run():
-            return await asyncio.gather(*(self._on_node(n, job, []) for n in nodes))
+            return await asyncio.gather(*(self._on_node(n, call) for n in nodes))
 
-        return [x for res in self._run_plain(run(), self.cfg.timeout + 1)
-                if not isinstance(res, BaseException) for x in res]
+        return [res for res in self._run_plain(run(), self.cfg.timeout + 1) if not isinstance(res, BaseException)]
 
     def node_of(self, key: PageKey) -> str | None:
         """The cluster node (``host:port``) serving ``key``'s page now; ``None`` on one node."""
@@ -444,12 +443,12 @@ class RedisTier(RemoteTier):
 
     def _fetch_usage(self) -> tuple[int, int, int]:
         """Summed over the primaries that answer (a down node is left out, not a failed tier)."""
-        async def one(client, idx: list[int]) -> list[tuple[int, int, int]]:
+        async def one(client) -> tuple[int, int, int]:
             info = await client.info("memory")
-            return [(int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), await client.dbsize())]
+            return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), await client.dbsize()
 
         if not self.cluster:
-            used, cap, n = self._run(one(self._client, [0]))[0]
+            used, cap, n = self._run(one(self._client))
             return used, cap, n // 2
         parts = self._primaries(one)
         used, cap, n = (sum(col) for col in zip(*parts)) if parts else (0, 0, 0)
