@@ -16,6 +16,8 @@ BENCHES = {
     "server": "lmkv serve put/get GB/s beside a raw loopback socket and memcpy, exists ops/s, a load test",
     "offload": "eager vs eviction-aware lazy offload vs the offline oracle on vLLM's real KVCacheManager",
     "copy": "KV blocks gathered into pages and scattered back (the CUDA kernel on a GPU) beside a contiguous copy",
+    "layerwise": "a step's layerwise loads and stores on the worker's copy streams beside the forward alone "
+                 "and the forward's-stream path (GPU only)",
     "gds": "disk-tier pages read into / written from device memory with GPUDirect Storage, beside raw cuFile "
            "and the POSIX + pinned-host path (GPU only)",
 }

@@ -125,6 +125,13 @@ def _stream(device):
         return cupy.cuda.ExternalStream(s.cuda_stream)
 
 
+def cupy_device(device: torch.device):
+    """CuPy's device context for a torch CUDA device."""
+    import cupy
+
+    return cupy.cuda.Device(device.index)
+
+
 class KernelLayerBlocks:
     """One CUDA layer tensor, addressed by block; ``device_visible(address, nbytes)`` says whether a
     host buffer is pinned memory the GPU can reach."""
@@ -176,14 +183,12 @@ class KernelLayerBlocks:
         """Queue the copy between blocks ``blocks[i]`` and the pages at addresses ``pages[i]``
         (int64 tensors on this layer's device; pages in device memory, or pinned host memory),
         each page's ``[start:start + nbytes]``."""
-        import cupy
-
         if not len(blocks):
             return
         if self._ptr is None:
             self._ptr = torch.tensor([self.tensor.data_ptr()], dtype=torch.int64, device=self.tensor.device)
         # the tensor's device, not the thread's current one (a store I/O thread's is device 0)
-        with cupy.cuda.Device(self.tensor.device.index):
+        with cupy_device(self.tensor.device):
             block_copy(self._ptr, blocks, pages, block_stride=self.block_stride, shape=self.shape,
                        layer_stride=0, page_offset=start, to_pages=to_pages, stream=_stream(self.tensor.device))
 
@@ -192,6 +197,32 @@ class KernelLayerBlocks:
         rest = self._copy(runs, start, True)
         if rest:
             self.fallback.gather(rest, start)
+
+    def gather_digested(self, runs: Sequence, start: int, units: Sequence[tuple[int, int]]):
+        """:meth:`gather`, and the XXH3-64 of each page's ``units`` (byte ranges relative to ``start``)
+        computed on the device: the blocks are gathered into device memory first, hashed there, then
+        copied into the pages in one more launch, so the host never reads the bytes to checksum them.
+        The digests (a CuPy uint64 array, ``[pages, units]`` in the runs' page order) are ready once
+        the queue has run; None (and a plain gather) where a page is not in pinned memory."""
+        from lmkv.cuda.digests import device_digests
+
+        blocks, pages, rest = self._indices(runs)
+        if rest:
+            self.gather(runs, start)
+            return None
+        n, dev = len(blocks), self.tensor.device
+        staging = torch.empty(n * self.nbytes, dtype=torch.uint8, device=dev)  # (on the current stream)
+        base = staging.data_ptr()
+        slots = torch.arange(n, dtype=torch.int64, device=dev)
+        self.copy_at(blocks, slots * self.nbytes + base, 0, to_pages=True)
+        stream = _stream(dev)
+        digests = device_digests([base + i * self.nbytes + a for i in range(n) for a, _ in units],
+                                 [b - a for _ in range(n) for a, b in units], stream, dev.index)
+        with cupy_device(dev):
+            block_copy(torch.tensor([base], dtype=torch.int64, device=dev), slots, pages, block_stride=self.nbytes,
+                       shape=BlockShape.contiguous(self.nbytes), layer_stride=0, page_offset=start, to_pages=True,
+                       stream=stream)
+        return digests.reshape(n, len(units))
 
     def scatter(self, runs: Sequence, start: int) -> None:
         """Queue the copy of each run's pages' ``[start:start + nbytes]`` into its blocks."""

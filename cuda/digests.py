@@ -11,6 +11,7 @@ xxhash package on every length class.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from functools import cache
 from importlib.resources import files
@@ -41,7 +42,9 @@ def device_digests(ptrs: Sequence[int], lens: Sequence[int], stream=None, device
     import cupy
 
     n = len(ptrs)
-    with cupy.cuda.Device(device):
+    # (the address arrays' copies go on ``stream`` too: on CuPy's own stream they could still be in
+    # flight when a kernel on another stream reads them)
+    with cupy.cuda.Device(device), stream if stream is not None else contextlib.nullcontext():
         out = cupy.empty(n, dtype=cupy.uint64)
         if n:
             args = (cupy.asarray(np.asarray(ptrs, np.uint64)), cupy.asarray(np.asarray(lens, np.int64)), out,

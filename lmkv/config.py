@@ -284,6 +284,12 @@ class LMKVConfig(_Section):
     layerwise_max_stall: float = Field(
         2.0, ge=0, description="load_mode auto: the longest fetch, as a multiple of the engine's recent "
         "step time, that a hit below memory may take layerwise while other requests share the step")
+    copy_stream: bool = Field(
+        True, description="GPU engines: the worker's copies run on CUDA streams of their own, ordered "
+        "against the forward by one event per layer (a load's layers are copied ahead and the forward "
+        "waits for layer l's copy alone; layer l's store copy starts once it is computed and overlaps "
+        "the later layers); false: on the forward's stream, in order with the layers. CPU engines copy "
+        "in the forward's thread either way (there is nothing to overlap)")
     quarantine_seconds: float = Field(
         30.0, ge=0, description="how long a page whose load failed is not offered again"
     )

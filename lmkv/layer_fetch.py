@@ -220,6 +220,11 @@ class LayerFetch:
 
     # -- the engine's side --------------------------------------------------------
 
+    def landed(self, layer: int) -> bool:
+        """Whether :meth:`wait` for ``layer`` would return at once (the worker queues such layers'
+        copies ahead of the forward)."""
+        return all(ev.is_set() for ev in self._ready[: layer + 1])
+
     def wait(self, layer: int) -> list[bool]:
         """Block until ``layer`` (and every layer before it) has landed; per page, whether all of
         them are there intact (a page that failed anywhere is no longer copied in: it is recomputed)."""

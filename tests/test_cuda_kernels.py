@@ -122,9 +122,11 @@ def test_the_kernel_matches_the_cpu_reference_on_a_gpu(order, pinned):
     assert all(not back[layer][b].any() for layer in range(L) for b in set(range(B)) - set(blocks))
 
 
-def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel():
+@pytest.mark.parametrize("copy_stream", [True, False])
+def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel(copy_stream):
     """LayerwiseTransfer on CUDA tensors (vLLM's token-major layout) with a pinned memory tier: stores
-    layer by layer as the forward runs, a rescue before it, and a layerwise load into other blocks."""
+    layer by layer as the forward runs, a rescue before it, and a layerwise load into other blocks;
+    on the worker's copy streams and on the forward's."""
     _gpu()
     from conftest import layerwise_load
 
@@ -140,10 +142,11 @@ def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel():
     layout = attention_layout("attn", L, N, H, C // 2, 2, "bfloat16")
     names = {f"l{i}": (0, i) for i in range(L)}
     chains = [bytes([i + 1]) * 16 for i in range(4)]
-    store = TieredStore(load_config({"memory": {"capacity": "16MiB", "pin": "always"}}, environ={}))
+    store = TieredStore(load_config({"memory": {"capacity": "16MiB", "pin": "always"}, "copy_stream": copy_stream},
+                                    environ={}))
     with store:
         w = LayerwiseTransfer(store, [layout], [layers], names)
-        assert isinstance(w.layers[0][0], KernelLayerBlocks)
+        assert isinstance(w.layers[0][0], KernelLayerBlocks) and (w._streams is not None) == copy_stream
         w.begin(StepPlan(stores=[PageOp("", 0, chains[2:], [4, 2], [])],
                          rescues=[PageOp("", 0, chains[:2], [6, 1], [])]))
         for i, name in enumerate(names):
@@ -175,6 +178,55 @@ def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel():
         assert done == {"y"}
         for i in range(L):
             assert torch.equal(out[i][5], before[i][6]) and torch.equal(out[i][2], layers[i][2])
+
+
+def test_copy_streams_wait_for_the_forward_and_the_forward_for_them():
+    """The worker's copy streams against a slow forward on a stream of its own (as vLLM may run it):
+    a layer's store copy waits until the forward wrote that layer (a sleep before each write); the
+    forward's read of a loaded layer waits for its copy (the copy stream held up by a sleep first);
+    the host never waits for the forward on the way."""
+    _gpu()
+    from lmkv.config import load_config
+    from lmkv.engine.plan import PageOp, StepPlan
+    from lmkv.engine.worker import LayerwiseTransfer
+    from lmkv.layout import attention_layout
+    from lmkv.store import TieredStore
+
+    layers = views("LBNHC", "cuda")
+    layout = attention_layout("attn", L, N, H, C // 2, 2, "bfloat16")
+    names = {f"l{i}": (0, i) for i in range(L)}
+    chains = [bytes([i + 1]) * 16 for i in range(4)]
+    compute = torch.cuda.Stream()
+    store = TieredStore(load_config({"memory": {"capacity": "16MiB", "pin": "always"}}, environ={}))
+    with store, torch.cuda.stream(compute):
+        w = LayerwiseTransfer(store, [layout], [layers], names)
+        w.begin(StepPlan(stores=[PageOp("", 0, chains, [4, 2, 6, 1], [])]))
+        for i, name in enumerate(names):
+            torch.cuda._sleep(20_000_000)  # a slow layer: its KV is written well after the hook is queued
+            layers[i].add_(1)
+            w.after_layer(name)
+        assert not compute.query()  # the hooks did not wait for the forward
+        w.end()  # (waits for the copies, which waited for the forward)
+        written = [t.clone() for t in layers]
+        out = views("LBNHC", "cuda")
+        for t in out:
+            t.zero_()
+        r = LayerwiseTransfer(store, [layout], [out], names)
+        r.begin(StepPlan(loads=[PageOp("x", 0, chains, [0, 3, 8, 9], list(range(4)))]))
+        with torch.cuda.stream(r._streams.step.by_device[out[0].device]):
+            torch.cuda._sleep(50_000_000)  # the copies queue behind this
+        r.start_loads()
+        sums = torch.zeros(L, device="cuda", dtype=torch.float64)
+        for i, name in enumerate(names):
+            r.before_layer(name)
+            sums[i] = out[i][[0, 3, 8, 9]].double().sum()  # the forward reads layer i
+        assert not r._streams.step.by_device[out[0].device].query()  # nor for the copies
+        r.end()
+        torch.cuda.synchronize()
+        assert r.take_errors() == set()
+        want = [written[i][[4, 2, 6, 1]].double().sum() for i in range(L)]
+        assert torch.equal(sums, torch.stack(want))
+        assert all(torch.equal(out[i][[0, 3, 8, 9]], written[i][[4, 2, 6, 1]]) for i in range(L))
 
 
 # -- the HIP build (no AMD GPU here: compiled, not run) ---------------------------------------------

@@ -3,9 +3,13 @@ and a layer the forward did not wait for counts as not loaded."""
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import torch
 
 from lmkv.config import load_config
+from lmkv.cuda.streams import Streams
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.worker import LayerwiseTransfer
 from lmkv.layout import attention_layout
@@ -108,3 +112,106 @@ def test_a_step_without_copies_does_not_wait_for_the_device():
             w.before_layer(name)
         w.end()
         assert waits == [1]
+
+
+class _Log:
+    """What the worker queued where: copies on the stream current at the time, events, waits."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple] = []
+        self.current = "compute"
+        self.events = 0
+
+
+class _FakeStreams(Streams):
+    """A stream set that logs instead of queueing (the ordering protocol, tested without a GPU; the
+    same path runs on CUDA streams in test_cuda_kernels.py)."""
+
+    def __init__(self, name: str, log: _Log) -> None:
+        super().__init__({"dev": None})
+        self.name, self.log = name, log
+
+    def record(self, timing: bool = False):
+        self.log.events += 1
+        self.log.items.append(("record", self.name, self.log.events))
+        return {"dev": self.log.events}
+
+    def wait(self, events) -> None:
+        self.log.items.append(("wait", self.name, events["dev"]))
+
+    @contextlib.contextmanager
+    def active(self):
+        before, self.log.current = self.log.current, self.name
+        try:
+            yield
+        finally:
+            self.log.current = before
+
+    def take_seconds(self) -> float:
+        self._timed = []
+        return 1e-3
+
+    def synchronize(self) -> None:
+        self.log.items.append(("sync", self.name))
+
+
+def _logged(w: LayerwiseTransfer) -> _Log:
+    log = _Log()
+    fake = SimpleNamespace(step=_FakeStreams("step", log), background=_FakeStreams("background", log))
+    fake.compute = lambda: _FakeStreams("compute", log)
+    w._streams = fake
+    for layer, lb in enumerate(w.layers[0]):
+        for kind in ("gather", "scatter"):
+            real = getattr(lb, kind)
+            setattr(lb, kind, lambda runs, start, real=real, kind=kind, layer=layer:
+                    (log.items.append((kind, layer, log.current)), real(runs, start)))
+    return log
+
+
+def test_copy_streams_queue_a_loads_layers_ahead_and_the_forward_waits_for_its_layer_alone():
+    store, w, op, full, empty, names = _setup()
+    with store:
+        log = _logged(w)
+        w.begin(StepPlan(loads=[op]))
+        w.start_loads()
+        w._loads[0].future.wait(LAYERS - 1)  # (memory hits: every layer has landed before the forward)
+        events = {}
+        for i, name in enumerate(names):
+            log.items.clear()
+            w.before_layer(name)
+            if i == 0:  # every layer queued on the step stream, in order, an event after each
+                assert [x[0] for x in log.items] == ["scatter", "record"] * LAYERS + ["wait"]
+                assert all(x[2] == "step" for x in log.items if x[0] == "scatter")
+                events = {x[1]: log.items[2 * x[1] + 1][2] for x in log.items if x[0] == "scatter"}
+            else:
+                assert [x[0] for x in log.items] == ["wait"]
+            assert log.items[-1] == ("wait", "compute", events[i])  # this layer's copy alone
+        log.items.clear()
+        w.end()
+        assert ("sync", "step") in log.items
+        assert w.take_errors() == set()
+        assert all(torch.equal(empty[i][BLOCK_IDS], full[i][BLOCK_IDS]) for i in range(LAYERS))
+
+
+def test_copy_streams_start_a_store_after_its_layer_computed_and_follow_the_last_step():
+    store, w, op, full, empty, names = _setup()
+    with store:
+        log = _logged(w)
+        stores = PageOp("r", 0, [bytes([9, i]) * 8 for i in range(2)], [3, 5], [])
+        rescue = PageOp("r", 0, [bytes([8, i]) * 8 for i in range(2)], [0, 7], [])
+        w.begin(StepPlan(stores=[stores], rescues=[rescue]))
+        # the step stream follows what the compute stream queued before; the rescues go on it, and
+        # the forward waits for them before it may write their blocks
+        kinds = [x[:2] for x in log.items]
+        assert kinds[:2] == [("record", "compute"), ("wait", "step")]
+        assert kinds[2:] == [("gather", i) for i in range(LAYERS)] + [("record", "step"), ("wait", "compute")]
+        assert all(x[2] == "step" for x in log.items if x[0] == "gather")
+        for i, name in enumerate(names):
+            log.items.clear()
+            w.after_layer(name)
+            assert log.items[0][:2] == ("record", "compute") and log.items[1][:2] == ("wait", "step")
+            assert log.items[1][2] == log.items[0][2]  # the step stream waits for layer i's compute ...
+            assert [x for x in log.items if x[0] == "gather"] == [("gather", i, "step")]  # ... then copies it
+            assert log.items.index(("gather", i, "step")) > 1
+        w.end()
+        assert w.stats.totals.stored_pages == 4

@@ -36,6 +36,7 @@ offering them for a while.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
@@ -44,10 +45,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from lmkv.cuda import KernelLayerBlocks, kernel_layer_blocks, synchronize
+from lmkv.cuda.streams import CopyStreams, Events
 from lmkv.engine.blockcopy import BlockRun, LayerBlocks, as_bytes_array, block_runs
 from lmkv.engine.device_staging import DeviceStaging
 from lmkv.engine.plan import PageOp, StepPlan
@@ -55,7 +59,7 @@ from lmkv.errors import TierFullError
 from lmkv.keys import ChainHash, PageKey, page_key
 from lmkv.layer_fetch import LayerFetch, SpanChooser
 from lmkv.layout import GroupLayout
-from lmkv.page import padded
+from lmkv.page import PageHeader, header_of_digests, make_header, padded
 from lmkv.store import Fetched, StoreSession, TieredStore
 from lmkv.tiers.gds import DeviceBuffer
 
@@ -154,7 +158,8 @@ class _GroupLoad:
     waited_s: float = 0.0  # how long the forward waited for this load's layers
     ok: list[bool] = field(default_factory=list)
     copies: _Copies = field(default_factory=_Copies)  # the pages that loaded and their blocks
-    done_layers: set[int] = field(default_factory=set)
+    done_layers: set[int] = field(default_factory=set)  # the layers the forward waited for
+    queued: dict[int, Events] = field(default_factory=dict)  # copy streams: layers queued, an event after each
 
 
 @dataclass
@@ -162,7 +167,11 @@ class _GroupStore:
     runs: list[BlockRun]
     keys: list[PageKey]  # of the pages stored layer by layer (not the rescued ones), with their blocks
     blocks: list[int]
+    index: list[int]  # each page's place in the step's write session
     done_layers: set[int] = field(default_factory=set)
+    #: copy streams with the kernel: per layer, the unit digests the device computed as it gathered
+    #: (None for a layer it could not); None: the pages are hashed on the host at commit
+    digests: dict[int, Any] | None = None
 
 
 class LayerwiseTransfer:
@@ -180,6 +189,8 @@ class LayerwiseTransfer:
         #: per group, its layers where every one is plain rows of bytes (the CPU layout): pages load in place
         self._rows = [_rows_of(layers) for layers in self.layers]
         self._cuda = [t for group in tensors for t in group[:1] if t.device.type == "cuda"]  # a layer per group
+        #: GPU: the copies' own streams, ordered against the forward by events (:mod:`lmkv.cuda.streams`)
+        self._streams = CopyStreams(t.device for t in self._cuda) if self._cuda and store.cfg.copy_stream else None
         self.layer_names = dict(layer_names)
         for layout, layers in zip(self.groups, self.layers):
             if len(layers) != layout.num_layers:
@@ -248,6 +259,9 @@ class LayerwiseTransfer:
         if plan.drops:  # superseded states: gone from every tier, in the background
             self.store.submit(self.store.delete, [k for op in plan.drops for k in self.keys(op)])
         self.layers_touched = False  # whether this step ran a forward (its layer hooks)
+        if self._streams is not None and (plan.loads or plan.stores or plan.rescues):
+            # an earlier step's forward may still read the blocks this step's loads overwrite
+            self._streams.step.follow(self._streams.compute())
         # Hold this step's memory-resident pages before reserving room for its stores, which may evict.
         self._load_keys = [self.keys(op) for op in plan.loads]
         self._held = [self.store.memory.borrow(keys, count=False) for keys in self._load_keys]
@@ -280,12 +294,18 @@ class LayerwiseTransfer:
             rescued = [(b, p) for b, p, now in zip(blocks, pages, at_once) if now]
             if rescued:
                 runs = block_runs([b for b, _ in rescued], [p for _, p in rescued])
-                for layer, lb in enumerate(self.layers[g]):
-                    lb.gather(runs, self.groups[g].layer_range(layer)[0])
+                with self._on_step_stream():
+                    for layer, lb in enumerate(self.layers[g]):
+                        lb.gather(runs, self.groups[g].layer_range(layer)[0])
+                if self._streams is not None:  # the forward writes these blocks only once they are copied
+                    self._streams.compute().wait(self._streams.step.record())
                 self.stats.add(self.groups[g].name, rescued_pages=len(rescued))
-            later = [(b, p, k) for b, p, k, now in zip(blocks, pages, keys, at_once) if not now]
-            self._stores[g] = _GroupStore(block_runs([b for b, _, _ in later], [p for _, p, _ in later]),
-                                          [k for _, _, k in later], [b for b, _, _ in later])
+            later = [(b, p, k, i - len(keys) + j)
+                     for j, (b, p, k, now) in enumerate(zip(blocks, pages, keys, at_once)) if not now]
+            on_device = self._streams is not None and all(isinstance(lb, KernelLayerBlocks) for lb in self.layers[g])
+            self._stores[g] = _GroupStore(block_runs([b for b, _, _, _ in later], [p for _, p, _, _ in later]),
+                                          [k for _, _, k, _ in later], [b for b, _, _, _ in later],
+                                          [at for _, _, _, at in later], digests={} if on_device else None)
 
     def start_loads(self) -> None:
         by_group: dict[int, tuple[list[PageKey], list[int], list[ChainHash], list[tuple[int, int]]]] = {}
@@ -308,6 +328,8 @@ class LayerwiseTransfer:
         by_request: dict[str, list[PageOp]] = {}
         for op in self._plan.async_loads:
             by_request.setdefault(op.req_id, []).append(op)
+        if by_request and self._streams is not None:  # (their blocks' last readers may still be queued)
+            self._streams.background.follow(self._streams.compute())
         for rid, ops in by_request.items():
             if rid not in self._async:
                 self._async[rid] = self.store.submit(self._load_in_background, ops)
@@ -374,10 +396,12 @@ class LayerwiseTransfer:
         """Scatter one fetched chunk of a background load into its blocks; whether all of it loaded."""
         layout = self.groups[op.group]
         with fetched:
-            copies = self._copies(op.group, op.block_ids[i : i + LOAD_CHUNK_PAGES], fetched.views)
-            for layer in range(layout.num_layers):
-                self._scatter_layer(op.group, layer, copies)
-            self._sync()  # (before the pages are released)
+            on = self._streams.background.active() if self._streams is not None else contextlib.nullcontext()
+            with on:
+                copies = self._copies(op.group, op.block_ids[i : i + LOAD_CHUNK_PAGES], fetched.views)
+                for layer in range(layout.num_layers):
+                    self._scatter_layer(op.group, layer, copies)
+            self._sync(background=True)  # (before the pages are released)
             return self._landed(op, i, [v is not None for v in fetched.views])
 
     def _landed(self, op: PageOp, first: int, ok: list[bool]) -> bool:
@@ -501,32 +525,71 @@ class LayerwiseTransfer:
             lb.copy_at(*copies.device, start, to_pages=False)
 
     def _scatter(self, g: int, layer: int) -> None:
-        """Layer ``layer`` of group ``g``'s load into its blocks, once that layer has landed."""
+        """Layer ``layer`` of group ``g``'s load in its blocks before the forward reads them. With copy
+        streams, the layers after it that have landed already are queued too (memory hits: all of
+        them at the first layer), and the forward waits for this layer's copy alone."""
         load = self._loads.get(g)
         if load is None or layer in load.done_layers:
             return
-        if isinstance(load.future, LayerFetch) and load.fetched is None:
-            t0 = time.perf_counter()
-            landed = load.future.wait(layer)
-            waited = time.perf_counter() - t0
-            load.waited_s += waited
-            self.stats.add(layer_wait_us=int(waited * 1e6))
-            if landed != load.landed:  # (the same pages layer after layer, usually: paired once)
-                load.landed = landed
-                load.copies = self._copies(g, [b for b, ok in zip(load.block_ids, landed) if ok],
-                                           [v for v, ok in zip(load.future.views, landed) if ok])
-        else:
-            self._fetched(g, load)
-        self._scatter_layer(g, layer, load.copies)
+        self._queue_layer(g, load, layer)
+        if self._streams is not None:
+            for ahead in range(layer + 1, self.groups[g].num_layers):
+                if ahead in load.queued:
+                    continue
+                if not self._layer_landed(load, ahead):
+                    break
+                self._queue_layer(g, load, ahead)
+            self._streams.compute().wait(load.queued[layer])
         load.done_layers.add(layer)
+
+    def _layer_landed(self, load: _GroupLoad, layer: int) -> bool:
+        """Whether ``layer``'s bytes are in host (or staging) memory: its copy can go without waiting."""
+        if load.fetched is not None:
+            return True
+        if isinstance(load.future, LayerFetch):
+            return load.future.landed(layer)
+        return load.future.done()
+
+    def _queue_layer(self, g: int, load: _GroupLoad, layer: int) -> None:
+        """Wait for ``layer``'s bytes to land, then copy them into the blocks (queue the copy, on a GPU)."""
+        if layer in load.queued:
+            return
+        with self._on_step_stream():
+            if isinstance(load.future, LayerFetch) and load.fetched is None:
+                t0 = time.perf_counter()
+                landed = load.future.wait(layer)
+                waited = time.perf_counter() - t0
+                load.waited_s += waited
+                self.stats.add(layer_wait_us=int(waited * 1e6))
+                if landed != load.landed:  # (the same pages layer after layer, usually: paired once)
+                    load.landed = landed
+                    load.copies = self._copies(g, [b for b, ok in zip(load.block_ids, landed) if ok],
+                                               [v for v, ok in zip(load.future.views, landed) if ok])
+            else:
+                self._fetched(g, load)
+            self._scatter_layer(g, layer, load.copies)
+        if self._streams is not None:
+            load.queued[layer] = self._streams.step.record()
 
     def _gather(self, g: int, layer: int) -> None:
         st = self._stores.get(g)
         if st is None or layer in st.done_layers:
             return
-        t0 = time.perf_counter()
-        self.layers[g][layer].gather(st.runs, self.groups[g].layer_range(layer)[0])
-        self._copy_s += time.perf_counter() - t0
+        layout = self.groups[g]
+        start = layout.layer_range(layer)[0]
+        lb = self.layers[g][layer]
+        if self._streams is not None:  # copied once computed, while the later layers compute
+            self._streams.step.wait(self._streams.compute().record())
+            with self._streams.step.timed():
+                if st.digests is not None and isinstance(lb, KernelLayerBlocks):  # checksummed on the device
+                    units = [(a - start, b - start) for a, b in layout.unit_ranges[: len(layout.segments)]]
+                    st.digests[layer] = lb.gather_digested(st.runs, start, units)
+                else:
+                    lb.gather(st.runs, start)
+        else:
+            t0 = time.perf_counter()
+            lb.gather(st.runs, start)
+            self._copy_s += time.perf_counter() - t0
         self._copied_bytes += len(st.keys) * self.groups[g].layer_stride
         st.done_layers.add(layer)
 
@@ -563,21 +626,45 @@ class LayerwiseTransfer:
         if copied:
             t0 = time.perf_counter()
             self._sync()  # the GPU's queued copies have read and written the host pages
+            if self._streams is not None:  # (the copies' device time, not the waits for the forward)
+                self._copy_s = self._streams.step.take_seconds()
+            else:
+                self._copy_s += time.perf_counter() - t0
             if self._copied_bytes:
-                self.store.link.copied(self._copied_bytes, self._copy_s + time.perf_counter() - t0)
+                self.store.link.copied(self._copied_bytes, self._copy_s)
         self._copied_bytes, self._copy_s = 0, 0.0
         for g, load in self._loads.items():
             self._fetched(g, load).release()
         self._loads = {}
         self._release_held()
         if self._session is not None:
+            headers = self._session_headers()
             below = self._store_from_device()
-            results = self._session.commit(below=below)
+            results = self._session.commit(headers, below=below)
             for lay, ok in zip(self._session.layouts, results):
                 if ok:
                     self.stats.add(lay.name, stored_pages=1, stored_bytes=lay.payload_bytes)
             self._session = None
         self._stores = {}
+
+    def _session_headers(self) -> list[PageHeader] | None:
+        """The headers of the step's pages, where the device computed their digests as it gathered
+        them (the others hashed here); None when it computed none (the session hashes them all)."""
+        session = self._session
+        assert session is not None
+        known: dict[int, PageHeader] = {}
+        for g, st in self._stores.items():
+            layout = self.groups[g]
+            got = st.digests
+            if not got or len(got) != layout.num_layers or any(d is None for d in got.values()):
+                continue
+            rows = np.concatenate([got[layer].get() for layer in range(layout.num_layers)], axis=1).astype("<u8")
+            for at, key, row in zip(st.index, st.keys, rows):
+                known[at] = header_of_digests(key, layout, row.tobytes())
+        if not known:
+            return None
+        return [known.get(i) or make_header(k, lay, session.buffer(i))
+                for i, (k, lay) in enumerate(zip(session.keys, session.layouts))]
 
     def _store_from_device(self) -> dict[str, set[PageKey]]:
         """GPUDirect Storage under write-through: the blocks this step stored (computed now) are
@@ -599,11 +686,14 @@ class LayerwiseTransfer:
             n = len(slots.ptrs)
             if not n:
                 continue
-            index = self._index(g, list(zip(st.blocks[:n], slots.ptrs)))
             layout = self.groups[g]
-            for layer, lb in enumerate(self.layers[g]):
-                assert isinstance(lb, KernelLayerBlocks)
-                lb.copy_at(*index, layout.layer_range(layer)[0], to_pages=True)
+            if self._streams is not None:  # after the whole forward
+                self._streams.step.follow(self._streams.compute())
+            with self._on_step_stream():
+                index = self._index(g, list(zip(st.blocks[:n], slots.ptrs)))
+                for layer, lb in enumerate(self.layers[g]):
+                    assert isinstance(lb, KernelLayerBlocks)
+                    lb.copy_at(*index, layout.layer_range(layer)[0], to_pages=True)
             self._sync()
             try:
                 heads = headers_on_device(st.keys[:n], slots.ptrs, layout, device=staging.device)
@@ -627,10 +717,17 @@ class LayerwiseTransfer:
         """Whether this step queued copies (stores or loads): a step without any waits for nothing."""
         return self._session is not None or bool(self._loads)
 
-    def _sync(self) -> None:
-        """Wait for the copies the CUDA kernel queued (a no-op on a CPU engine)."""
-        if self._cuda:
+    def _sync(self, background: bool = False) -> None:
+        """Wait for the copies queued on the GPU (a no-op on a CPU engine): a step's, or with
+        ``background`` those the calling I/O thread queued for an asynchronous load."""
+        if self._streams is not None:
+            (self._streams.background if background else self._streams.step).synchronize()
+        elif self._cuda:
             synchronize(self._cuda)
+
+    def _on_step_stream(self) -> contextlib.AbstractContextManager:
+        """Copies queued inside go to the step's copy stream (or, without one, the forward's)."""
+        return self._streams.step.active() if self._streams is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """Finish the step in flight and hand back what the worker holds (the GDS staging slots once
@@ -657,8 +754,11 @@ class LayerwiseTransfer:
         try:
             if self._copying:
                 self._sync()
+            if self._streams is not None:
+                self._streams.step.take_seconds()  # (not this step's copy rate)
         except Exception:  # a failed step can leave the device in error: the pages are dropped anyway
             log.exception("lmkv: waiting for the last step's copies failed")
+        self._copied_bytes, self._copy_s = 0, 0.0
         self._release_held()
         if self._session is not None:
             self._session.abort()
