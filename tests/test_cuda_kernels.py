@@ -180,16 +180,19 @@ def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel(copy_stream)
             assert torch.equal(out[i][5], before[i][6]) and torch.equal(out[i][2], layers[i][2])
 
 
-def test_copy_streams_wait_for_the_forward_and_the_forward_for_them():
+def test_copy_streams_wait_for_the_forward_and_the_forward_for_them(monkeypatch):
     """The worker's copy streams against a slow forward on a stream of its own (as vLLM may run it):
     a layer's store copy waits until the forward wrote that layer (a sleep before each write); the
     forward's read of a loaded layer waits for its copy (the copy stream held up by a sleep first);
     the host never waits for the forward on the way."""
     _gpu()
     from lmkv.config import load_config
+    from lmkv.engine import worker
     from lmkv.engine.plan import PageOp, StepPlan
     from lmkv.engine.worker import LayerwiseTransfer
+    from lmkv.keys import page_key
     from lmkv.layout import attention_layout
+    from lmkv.page import make_header
     from lmkv.store import TieredStore
 
     layers = views("LBNHC", "cuda")
@@ -206,8 +209,15 @@ def test_copy_streams_wait_for_the_forward_and_the_forward_for_them():
             layers[i].add_(1)
             w.after_layer(name)
         assert not compute.query()  # the hooks did not wait for the forward
+        hashed_here = []
+        monkeypatch.setattr(worker, "make_header", lambda *a: hashed_here.append(a) or make_header(*a))
         w.end()  # (waits for the copies, which waited for the forward)
         written = [t.clone() for t in layers]
+        # the pages' checksums were computed on the device as they were gathered, and are xxhash's
+        assert not hashed_here
+        keys = [page_key(c, layout) for c in chains]
+        with store.memory.borrow(keys) as lease:
+            assert all(h == make_header(k, layout, v) for k, h, v in zip(keys, lease.headers, lease.views))
         out = views("LBNHC", "cuda")
         for t in out:
             t.zero_()
