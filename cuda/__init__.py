@@ -125,6 +125,14 @@ def _stream(device):
         return cupy.cuda.ExternalStream(s.cuda_stream)
 
 
+def to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device``, copied on the current stream without the host
+    waiting: staged in pinned memory (``torch.tensor(..., device=...)`` copies from pageable memory
+    and waits for the stream, which on the worker's copy stream may be waiting for the forward;
+    torch keeps the pinned staging until the copy has run)."""
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
 def cupy_device(device: torch.device):
     """CuPy's device context for a torch CUDA device."""
     import cupy
@@ -166,8 +174,7 @@ class KernelLayerBlocks:
             else:
                 rest.append(run)
         dev = self.tensor.device
-        made = (torch.tensor(blocks, dtype=torch.int64, device=dev),
-                torch.tensor(pages, dtype=torch.int64, device=dev), rest)
+        made = (to_device(blocks, dev), to_device(pages, dev), rest)
         with _INDEX_LOCK:
             if len(_INDEX_CACHE) >= 8:  # a step's loads and stores, per group: a few lists at a time
                 _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
@@ -186,7 +193,7 @@ class KernelLayerBlocks:
         if not len(blocks):
             return
         if self._ptr is None:
-            self._ptr = torch.tensor([self.tensor.data_ptr()], dtype=torch.int64, device=self.tensor.device)
+            self._ptr = torch.full((1,), self.tensor.data_ptr(), dtype=torch.int64, device=self.tensor.device)
         # the tensor's device, not the thread's current one (a store I/O thread's is device 0)
         with cupy_device(self.tensor.device):
             block_copy(self._ptr, blocks, pages, block_stride=self.block_stride, shape=self.shape,
@@ -211,15 +218,19 @@ class KernelLayerBlocks:
             self.gather(runs, start)
             return None
         n, dev = len(blocks), self.tensor.device
+        # (every index made on the device or staged through pinned memory: nothing here waits for
+        # the stream, which may be waiting for the forward)
         staging = torch.empty(n * self.nbytes, dtype=torch.uint8, device=dev)  # (on the current stream)
         base = staging.data_ptr()
         slots = torch.arange(n, dtype=torch.int64, device=dev)
         self.copy_at(blocks, slots * self.nbytes + base, 0, to_pages=True)
+        starts = to_device([a for a, _ in units], dev)
+        lens = to_device([b - a for a, b in units], dev)
         stream = _stream(dev)
-        digests = device_digests([base + i * self.nbytes + a for i in range(n) for a, _ in units],
-                                 [b - a for _ in range(n) for a, b in units], stream, dev.index)
+        digests = device_digests((slots[:, None] * self.nbytes + base + starts[None, :]).reshape(-1),
+                                 lens.repeat(n), stream, dev.index)
         with cupy_device(dev):
-            block_copy(torch.tensor([base], dtype=torch.int64, device=dev), slots, pages, block_stride=self.nbytes,
+            block_copy(torch.full((1,), base, dtype=torch.int64, device=dev), slots, pages, block_stride=self.nbytes,
                        shape=BlockShape.contiguous(self.nbytes), layer_stride=0, page_offset=start, to_pages=True,
                        stream=stream)
         return digests.reshape(n, len(units))

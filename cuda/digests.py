@@ -36,21 +36,31 @@ def _kernel():
     return cupy.RawModule(code=digest_source()).get_function("lmkv_xxh3_64")
 
 
-def device_digests(ptrs: Sequence[int], lens: Sequence[int], stream=None, device: int | None = None):
+def device_digests(ptrs, lens, stream=None, device: int | None = None):
     """XXH3-64 of each byte range ``[ptrs[i], ptrs[i] + lens[i])`` (device or pinned host memory), as
-    a CuPy uint64 array on ``device`` (default: the current one), queued on ``stream``."""
+    a CuPy uint64 array on ``device`` (default: the current one), queued on ``stream``. ``ptrs`` and
+    ``lens``: sequences of ints, or int64 arrays already on the device (torch or CuPy: nothing is
+    copied, so nothing waits for the stream)."""
     import cupy
 
     n = len(ptrs)
-    # (the address arrays' copies go on ``stream`` too: on CuPy's own stream they could still be in
-    # flight when a kernel on another stream reads them)
+    # (address arrays copied from the host go on ``stream`` too: on CuPy's own stream they could
+    # still be in flight when a kernel on another stream reads them)
     with cupy.cuda.Device(device), stream if stream is not None else contextlib.nullcontext():
         out = cupy.empty(n, dtype=cupy.uint64)
         if n:
-            args = (cupy.asarray(np.asarray(ptrs, np.uint64)), cupy.asarray(np.asarray(lens, np.int64)), out,
-                    np.int64(n))
+            args = (_on_device(ptrs, np.int64).view(cupy.uint64), _on_device(lens, np.int64), out, np.int64(n))
             _kernel()(((n + UNITS_PER_BLOCK - 1) // UNITS_PER_BLOCK,), (8 * UNITS_PER_BLOCK,), args, stream=stream)
     return out
+
+
+def _on_device(values, dtype):
+    """``values`` as a CuPy array: a device array as it is (zero copy), a host sequence copied over."""
+    import cupy
+
+    if hasattr(values, "__cuda_array_interface__"):
+        return cupy.asarray(values)
+    return cupy.asarray(np.asarray(values, dtype))
 
 
 def _unit_digests(payloads: Sequence[int], layout: GroupLayout, stream=None, device: int | None = None) -> np.ndarray:

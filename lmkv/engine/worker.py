@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmkv.cuda import KernelLayerBlocks, kernel_layer_blocks, synchronize
+from lmkv.cuda import KernelLayerBlocks, kernel_layer_blocks, synchronize, to_device
 from lmkv.cuda.streams import CopyStreams, Events
 from lmkv.engine.blockcopy import BlockRun, LayerBlocks, as_bytes_array, block_runs
 from lmkv.engine.device_staging import DeviceStaging
@@ -513,8 +513,7 @@ class LayerwiseTransfer:
     def _index(self, g: int, pairs: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(blocks, device page addresses) as the kernel's int64 index tensors on group ``g``'s GPU."""
         dev = self.layers[g][0].tensor.device
-        return (torch.tensor([b for b, _ in pairs], dtype=torch.int64, device=dev),
-                torch.tensor([p for _, p in pairs], dtype=torch.int64, device=dev))
+        return to_device([b for b, _ in pairs], dev), to_device([p for _, p in pairs], dev)
 
     def _scatter_layer(self, g: int, layer: int, copies: _Copies) -> None:
         start = self.groups[g].layer_range(layer)[0]
