@@ -14,7 +14,8 @@ tier into blocks and stores as many other blocks into pages, through the worker
   the forward's stream (``copy_stream: false``), same baseline. ``step.balanced.vs_compute_stream``:
   the copy streams against the forward's stream.
 - ``step.light``: the same with compute about twice the copies.
-- ``step.*.copies_only`` in params: the device time of the copies per layer, and of the compute.
+- params: ``copy_s_per_layer`` (the copies' device time per layer, measured on the forward's stream
+  with no compute), ``matmul_s`` (one matmul), ``<label>.compute_s_per_layer`` (the layer's compute).
 
 Every step's loaded blocks are checked against the stored pages' bytes after the run. Without a
 CUDA GPU (or CuPy) the report says why (``params.skipped``) and has no figures.
