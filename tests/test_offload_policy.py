@@ -513,3 +513,28 @@ def test_the_simulator_tells_lazy_what_the_connector_does_and_costs_the_engine_n
     none, lazy = simulate(trace, cfg, "none"), simulate(trace, cfg, "lazy")
     assert lazy.engine_hit_tokens == none.engine_hit_tokens > 0
     assert lazy.stale_writes == 0 and lazy.writes > 0 and lazy.need_classes
+
+
+def test_a_short_link_copies_the_blocks_more_likely_needed_first(engine):
+    """With a declared link that cannot copy every due block, a block whose class was seldom needed
+    again ranks below one without such evidence, though nearer the head: the link copies the block
+    more likely needed first, and the other only with link time left over (never skipped)."""
+    mgr, queue, finish = engine
+    a = finish("a", list(range(100, 100 + 2 * BS)))  # nearer the head
+    b = finish("b", list(range(500, 500 + 2 * BS)))
+    for link_pages in (1, 4):
+        tier: set = set()
+        p = _policy(tier, link_bytes_per_step=link_pages << 20)
+        p.note_chain(a)
+        p.note_chain(b)
+        p.note_chain(b)  # b's blocks were used twice: a class of their own
+        p.note_step(200)  # a burst: every free block is due
+        for h in a:  # blocks like a's, from 30 lineages, were never needed again
+            for i in range(30):
+                p.reuse.need.add(p.reuse._class(h, p._step), f"lineage{i}", needed=False)
+        assert p.reuse.need_score(a[0], p._step) < p.reuse.need_score(b[0], p._step) == 1.0
+        picks = [x.block_hash for x in p.plan(queue)]
+        if link_pages == 1:
+            assert picks == [b[0]]  # b's chain, its first page first
+        else:
+            assert picks == [*b, *a]

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lmkv.keys import EngineBlockKey
-from lmkv.offload.need import NeedEstimate
+from lmkv.offload.need import NeedEstimate, upper_bound
 
 #: use counts told apart by the estimate (this many and more share a row; 0: decoding filled it)
 MAX_USES = 4
@@ -287,6 +287,21 @@ class ReuseModel:
     def shown_needed(self, h: EngineBlockKey, step: int) -> bool:
         """Watch a block near eviction; whether blocks like it were shown to be needed (:mod:`lmkv.offload.need`)."""
         return self.need.shown_needed(self.watch(h, step))
+
+    def need_score(self, h: EngineBlockKey, step: int) -> float:
+        """Watch a block near eviction; how likely blocks like it are to be needed again, at the upper
+        95% bound (in doubt a block ranks high): its class's rate (:mod:`lmkv.offload.need`), no
+        higher than its family's rate of repeating most of an earlier prompt (judged, as
+        :meth:`one_shot` judges, on requests older than the family's reuse horizon); 1 without
+        evidence. For ranking where a copy link cannot take every block."""
+        k = self.need.counts.get(self.watch(h, step))
+        score = 1.0 if k is None else k.bound
+        fam = self._families.get(self._root.get(h, _NO_BLOCK))
+        if fam is not None:
+            judged = fam.before(step - fam.horizon)
+            if judged:
+                score = min(score, upper_bound(min(1.0, fam.repeats / judged), judged))
+        return score
 
     def watch(self, h: EngineBlockKey, step: int) -> Class:
         """Start watching a block near eviction (or one copied for it); its class as of now. A block has
