@@ -294,11 +294,11 @@ class LayerwiseTransfer:
             rescued = [(b, p) for b, p, now in zip(blocks, pages, at_once) if now]
             if rescued:
                 runs = block_runs([b for b, _ in rescued], [p for _, p in rescued])
-                with self._on_step_stream():
+                with self._on_stream():
                     for layer, lb in enumerate(self.layers[g]):
                         lb.gather(runs, self.groups[g].layer_range(layer)[0])
                 if self._streams is not None:  # the forward writes these blocks only once they are copied
-                    self._streams.compute().wait(self._streams.step.record())
+                    self._streams.compute().follow(self._streams.step)
                 self.stats.add(self.groups[g].name, rescued_pages=len(rescued))
             later = [(b, p, k, i - len(keys) + j)
                      for j, (b, p, k, now) in enumerate(zip(blocks, pages, keys, at_once)) if not now]
@@ -396,8 +396,7 @@ class LayerwiseTransfer:
         """Scatter one fetched chunk of a background load into its blocks; whether all of it loaded."""
         layout = self.groups[op.group]
         with fetched:
-            on = self._streams.background.active() if self._streams is not None else contextlib.nullcontext()
-            with on:
+            with self._on_stream(background=True):
                 copies = self._copies(op.group, op.block_ids[i : i + LOAD_CHUNK_PAGES], fetched.views)
                 for layer in range(layout.num_layers):
                     self._scatter_layer(op.group, layer, copies)
@@ -553,7 +552,7 @@ class LayerwiseTransfer:
         """Wait for ``layer``'s bytes to land, then copy them into the blocks (queue the copy, on a GPU)."""
         if layer in load.queued:
             return
-        with self._on_step_stream():
+        with self._on_stream():
             if isinstance(load.future, LayerFetch) and load.fetched is None:
                 t0 = time.perf_counter()
                 landed = load.future.wait(layer)
@@ -578,11 +577,11 @@ class LayerwiseTransfer:
         start = layout.layer_range(layer)[0]
         lb = self.layers[g][layer]
         if self._streams is not None:  # copied once computed, while the later layers compute
-            self._streams.step.wait(self._streams.compute().record())
+            self._streams.step.follow(self._streams.compute())
             with self._streams.step.timed():
                 if st.digests is not None and isinstance(lb, KernelLayerBlocks):  # checksummed on the device
-                    units = [(a - start, b - start) for a, b in layout.unit_ranges[: len(layout.segments)]]
-                    st.digests[layer] = lb.gather_digested(st.runs, start, units)
+                    # (a layer's units, relative to its start: layer 0's)
+                    st.digests[layer] = lb.gather_digested(st.runs, start, layout.unit_ranges[: len(layout.segments)])
                 else:
                     lb.gather(st.runs, start)
         else:
@@ -688,7 +687,7 @@ class LayerwiseTransfer:
             layout = self.groups[g]
             if self._streams is not None:  # after the whole forward
                 self._streams.step.follow(self._streams.compute())
-            with self._on_step_stream():
+            with self._on_stream():
                 index = self._index(g, list(zip(st.blocks[:n], slots.ptrs)))
                 for layer, lb in enumerate(self.layers[g]):
                     assert isinstance(lb, KernelLayerBlocks)
@@ -724,9 +723,12 @@ class LayerwiseTransfer:
         elif self._cuda:
             synchronize(self._cuda)
 
-    def _on_step_stream(self) -> contextlib.AbstractContextManager:
-        """Copies queued inside go to the step's copy stream (or, without one, the forward's)."""
-        return self._streams.step.active() if self._streams is not None else contextlib.nullcontext()
+    def _on_stream(self, background: bool = False) -> contextlib.AbstractContextManager:
+        """Copies queued inside go to the step's copy stream, or with ``background`` to the one of
+        asynchronous loads (without copy streams: the calling thread's current stream)."""
+        if self._streams is None:
+            return contextlib.nullcontext()
+        return (self._streams.background if background else self._streams.step).active()
 
     def close(self) -> None:
         """Finish the step in flight and hand back what the worker holds (the GDS staging slots once

@@ -113,6 +113,10 @@ class Family:
         """Requests that came before ``step``."""
         return self.older + bisect_left(self.steps, step)
 
+    def judged(self, step: int) -> int:
+        """Requests old enough to judge at ``step``: older than the family's reuse horizon."""
+        return self.before(step - self.horizon)
+
 
 @dataclass
 class Lineage:
@@ -266,7 +270,7 @@ class ReuseModel:
         fam = self._families.get(self._root.get(h, _NO_BLOCK))
         if fam is None:
             return False
-        judged = fam.before(step - fam.horizon)
+        judged = fam.judged(step)
         return judged >= self._min_requests and fam.repeats < self._min_rate * judged
 
     # -- outcomes --------------------------------------------------------------
@@ -298,7 +302,7 @@ class ReuseModel:
         score = 1.0 if k is None else k.bound
         fam = self._families.get(self._root.get(h, _NO_BLOCK))
         if fam is not None:
-            judged = fam.before(step - fam.horizon)
+            judged = fam.judged(step)
             if judged:
                 score = min(score, upper_bound(min(1.0, fam.repeats / judged), judged))
         return score
