@@ -24,7 +24,9 @@ size (none, eager, the oracle and LMCache's policy decide the same blocks for an
 and their bytes scale with it); ``hindsight_classes_vs_oracle``: the bytes of a policy that
 knew each class's need rate in hindsight and copied whole classes, most needed first, until
 97% of the needed blocks are kept — what judging blocks by the classes the engine can see
-can reach at best. Per budget: ``{family}.{f}x.*``.
+can reach at best; ``hindsight_requests_vs_reused``: the same with hindsight over groups of what a
+request shows (its turn, its prompt's and answer's length, a block's place), against the trace's blocks
+asked for again, whatever the budget. Per budget: ``{family}.{f}x.*``.
 
 Top level (shared/BENCH.md): the ``gen`` family's sums as ``bytes_written`` (vs eager),
 ``bytes_vs_oracle``, ``hit_tokens``, ``blocks_lost``, ``computed_tokens``, ``stale_writes``
@@ -101,6 +103,40 @@ def _hindsight(r: SimResult) -> float:
     return copied
 
 
+def _request_bound(trace: list[TraceRequest], block: int = 32) -> tuple[int, int]:
+    """(blocks asked for again, blocks copied) by a policy that knew in hindsight how often the blocks
+    of each group of what a request shows were asked for again (how many of its prompt's blocks were
+    seen before: its turn; its prompt's and its answer's length; whether the block is the prompt's last
+    full one), copying whole groups, most reused first, until ``KEEP`` of the reused blocks are kept.
+    Independent of lmkv's classes and of eviction: what judging a block by its request can reach."""
+    seen: dict[int, int] = {}  # chained block -> times a prompt used it
+    intro: list[tuple[int, tuple[int, int, int, bool]]] = []  # each block at its first use, with its group
+    for r in trace:
+        full = len(r.prompt) // block
+        keys, prev = [], 0
+        for b in range(full):
+            prev = hash((prev, tuple(r.prompt[b * block:(b + 1) * block])))
+            keys.append(prev)
+        old = sum(k in seen for k in keys)
+        for b, k in enumerate(keys):
+            if k not in seen:
+                intro.append((k, (min(4, old.bit_length()), min(9, full.bit_length()),
+                                  min(5, len(r.output).bit_length() // 2), b == full - 1)))
+            seen[k] = seen.get(k, 0) + 1
+    groups: dict[tuple[int, int, int, bool], list[int]] = {}
+    for k, g in intro:
+        row = groups.setdefault(g, [0, 0])
+        row[0] += seen[k] > 1
+        row[1] += 1
+    reused = sum(n for n, _ in groups.values())
+    kept = copied = 0
+    for n, total in sorted(groups.values(), key=lambda row: -row[0] / row[1]):
+        if kept >= KEEP * reused:
+            break
+        kept, copied = kept + n, copied + total
+    return reused, copied
+
+
 def _run(task: Task) -> Outcome:
     logging.getLogger("lmkv").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(dir=task.directory) as tmp:
@@ -116,6 +152,8 @@ def _run(task: Task) -> Outcome:
     if task.peer:
         runs["lmcache"] = simulate(trace, cfg, "lmcache")
     out = Outcome(task, {"oracle": len(runs["none"].oracle_blocks), "hindsight": _hindsight(runs["lazy"])})
+    if task.factor == FACTORS[0]:  # (a figure of the trace: once per trace)
+        out.figures["reused"], out.figures["request_bound"] = _request_bound(trace)
     for name, r in runs.items():
         for k in ("writes", "hit_tokens", "engine_hit_tokens", "computed_tokens", "blocks_lost", "stale_writes",
                   "rescues", "wasted_writes"):
@@ -155,6 +193,11 @@ def _family(report: Report, name: str, outcomes: list[Outcome], peer: bool) -> N
     add("hindsight_classes_vs_oracle", _sum(outcomes, "hindsight") * page, "bytes", oracle,
         f"offline oracle; value: whole classes of the need estimate copied with hindsight, most needed first, "
         f"until {KEEP:.0%} of the needed blocks are kept")
+    add("hindsight_requests_vs_reused", _sum(outcomes, "request_bound") * page, "bytes",
+        _sum(outcomes, "reused") * page,
+        f"the trace's blocks asked for again; value: whole groups of what a request shows (its turn, its "
+        f"prompt's and answer's length, a block's place) copied with hindsight, most reused first, until "
+        f"{KEEP:.0%} of them are kept")
     add("bw.blocks_lost", _sum(outcomes, "bw_lazy.blocks_lost"), "blocks", _sum(outcomes, "bw_eager.blocks_lost"),
         "eager under the same copy link")
     add("bw.hit_tokens", _sum(outcomes, "bw_lazy.hit_tokens"), "tokens", _sum(outcomes, "bw_eager.hit_tokens"),

@@ -130,7 +130,9 @@ LOOKAHEAD_GAIN = 512.0
 #: Mooncake trace / the generator under a link at half eager's rate, lost blocks against eager's: 4 steps
 #: 0.70x / 0.64x, 16 steps 0.65x / 0.62x, 64 steps 0.66x / 0.59x at 1.4x the run time; the zone's order
 #: alone 0.76x / 0.64x). The walk to find them passes the blocks lmkv holds already: it costs more
-#: than the ranking itself
+#: than the ranking itself. (Scheduling them by deadline instead, the exact greedy for copies that each
+#: must be made before the engine reaches the block at its mean rate, lost 0.75x / 0.64x: later steps'
+#: link time, which that schedule counts on, goes to the blocks that come due meanwhile and to bursts.)
 NEED_WINDOW = 16
 
 #: how fast the remembered largest burst fades, per step (half-life ~230 steps)
