@@ -26,7 +26,10 @@ knew each class's need rate in hindsight and copied whole classes, most needed f
 97% of the needed blocks are kept — what judging blocks by the classes the engine can see
 can reach at best; ``hindsight_requests_vs_reused``: the same with hindsight over groups of what a
 request shows (its turn, its prompt's and answer's length, a block's place), against the trace's blocks
-asked for again, whatever the budget. Per budget: ``{family}.{f}x.*``.
+asked for again, whatever the budget; ``bw.hindsight_classes_blocks_lost``: under the link, the blocks
+lost by lazy ranking due blocks by their class's need rate known in hindsight (the same run's tally)
+instead of its estimate's bound: what ranking by class can reach there; ``bw.policy_us_per_step``: the
+policy's time per step under the link (the slowest run's median). Per budget: ``{family}.{f}x.*``.
 
 Top level (shared/BENCH.md): the ``gen`` family's sums as ``bytes_written`` (vs eager),
 ``bytes_vs_oracle``, ``hit_tokens``, ``blocks_lost``, ``computed_tokens``, ``stale_writes``
@@ -41,7 +44,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
 
@@ -93,9 +96,9 @@ def _trace(task: Task, tmp: str) -> list[TraceRequest]:
 
 def _hindsight(r: SimResult) -> float:
     """Blocks a class-level policy with hindsight copies to keep ``KEEP`` of the needed blocks."""
-    total = sum(n for n, _ in r.need_classes)
+    total = sum(n for n, _ in r.need_classes.values())
     kept = copied = 0.0
-    for needed, blocks in sorted(r.need_classes, key=lambda c: -(c[0] / c[1] if c[1] else 0)):
+    for needed, blocks in sorted(r.need_classes.values(), key=lambda c: -(c[0] / c[1] if c[1] else 0)):
         if kept >= KEEP * total:
             break
         kept += needed
@@ -149,6 +152,8 @@ def _run(task: Task) -> Outcome:
     rate = runs["eager"].writes / max(1, runs["eager"].steps) * cfg.page_bytes
     bw = SimConfig(num_blocks=blocks, d2h_bytes_per_step=max(cfg.page_bytes, int(rate / 2)))
     runs["bw_eager"], runs["bw_lazy"] = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
+    rates = {c: n / total if total else 0.0 for c, (n, total) in runs["bw_lazy"].need_classes.items()}
+    runs["bw_hindsight"] = simulate(trace, replace(bw, hindsight_rates=rates), "lazy")
     if task.peer:
         runs["lmcache"] = simulate(trace, cfg, "lmcache")
     out = Outcome(task, {"oracle": len(runs["none"].oracle_blocks), "hindsight": _hindsight(runs["lazy"])})
@@ -158,6 +163,7 @@ def _run(task: Task) -> Outcome:
         for k in ("writes", "hit_tokens", "engine_hit_tokens", "computed_tokens", "blocks_lost", "stale_writes",
                   "rescues", "wasted_writes"):
             out.figures[f"{name}.{k}"] = getattr(r, k)
+        out.figures[f"{name}.policy_us"] = r.policy_us_median
     log.info("%s seed %d at 1/%g: lazy %d writes, eager %d, oracle %d; tier hits lazy %d eager %d",
              task.family, task.seed, task.factor, runs["lazy"].writes, runs["eager"].writes, out.figures["oracle"],
              runs["lazy"].hit_tokens, runs["eager"].hit_tokens)
@@ -202,6 +208,10 @@ def _family(report: Report, name: str, outcomes: list[Outcome], peer: bool) -> N
         "eager under the same copy link")
     add("bw.hit_tokens", _sum(outcomes, "bw_lazy.hit_tokens"), "tokens", _sum(outcomes, "bw_eager.hit_tokens"),
         "eager under the same copy link")
+    report.add(f"{name}.bw.policy_us_per_step", max(o.figures["bw_lazy.policy_us"] for o in outcomes), "us")
+    add("bw.hindsight_classes_blocks_lost", _sum(outcomes, "bw_hindsight.blocks_lost"), "blocks",
+        _sum(outcomes, "bw_eager.blocks_lost"), "eager under the same copy link; value: lazy ranking due blocks by "
+        "their class's need rate known in hindsight (the same runs' tally) instead of its estimate")
     if peer:
         add("lmcache_bytes_vs_oracle", _sum(outcomes, "lmcache.writes") * page, "bytes", oracle,
             f"offline oracle, {runs} ({peer_what})")
@@ -274,7 +284,8 @@ def _top(report: Report, gen: list[Outcome]) -> None:
     # what a tier hit is for: tokens the engine did not compute
     report.add("computed_tokens", _sum(gen, "lazy.computed_tokens"), "tokens", _sum(gen, "eager.computed_tokens"),
                vs_eager)
-    report.add("stale_writes", sum(_sum(gen, f"{p}.stale_writes") for p in ("lazy", "lazy8b", "bw_lazy")), "writes")
+    lazy_runs = ("lazy", "lazy8b", "bw_lazy", "bw_hindsight")
+    report.add("stale_writes", sum(_sum(gen, f"{p}.stale_writes") for p in lazy_runs), "writes")
     report.add("wasted_writes", _sum(gen, "lazy.wasted_writes"), "blocks", _sum(gen, "eager.wasted_writes"), vs_eager)
     report.add("rescued_pages", _sum(gen, "lazy.rescues"), "pages", _sum(gen, "lazy.writes") or None,
                "pages lazy copied, same traces")

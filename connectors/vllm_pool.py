@@ -47,13 +47,17 @@ class VllmFreeQueue:
         out, self._reused = list(self._reused.items()), {}
         return out
 
-    def iter_free(self, limit: int) -> Iterator[tuple[int, int, EngineBlockKey]]:
+    def iter_free(self, limit: int, start: int | None = None, at: int = 0) -> Iterator[tuple[int, int, EngineBlockKey]]:
         # (the queue's own links, walked here: its iter_blocks_after and the blocks' hash property
         # cost a generator frame and a call per block, most of the walk on a large pool)
         queue = self.pool.free_block_queue
         tail = queue.fake_free_list_tail
-        block = queue.fake_free_list_head.next_free_block
-        i = 0
+        if start is None:
+            block, i = queue.fake_free_list_head.next_free_block, 0
+        else:
+            block, i = self.pool.blocks[start], at
+            if block.prev_free_block is None:  # (out of the queue: the caller's mark is stale)
+                raise ValueError(f"block {start} is not in the free queue")
         while i < limit and block is not None and block is not tail:
             h = block.block_hash
             if h is not None:

@@ -264,8 +264,8 @@ def test_the_zone_is_walked_only_until_the_steps_copies_are_planned(engine):
     walked = []
     inner = queue.iter_free
 
-    def counting(limit):
-        for entry in inner(limit):
+    def counting(limit, start=None, at=0):
+        for entry in inner(limit, start, at):
             walked.append(entry)
             yield entry
 
@@ -538,3 +538,56 @@ def test_a_short_link_copies_the_blocks_more_likely_needed_first(engine):
             assert picks == [b[0]]  # b's chain, its first page first
         else:
             assert picks == [*b, *a]
+
+
+def test_under_a_link_the_walk_resumes_past_the_blocks_lmkv_holds(engine):
+    """Under a declared link, the blocks lmkv copied sit at the queue's head until the engine takes them:
+    the next walk starts at the last of them (a mark) instead of passing them again, and plans what a
+    walk from the head would; a mark whose block a request revived is dropped (the walk starts at the
+    head again)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    mgr, queue, finish = engine
+    chains = [finish(f"r{i}", list(range(100 * i + 3, 100 * i + 3 + 2 * BS))) for i in range(4)]
+    tier = set(chains[0] + chains[1])  # lmkv holds the two chains nearest the head
+    walks: list[list] = []
+    inner = queue.iter_free
+
+    def logging(limit, start=None, at=0):
+        walks.append([])
+        for entry in inner(limit, start, at):
+            walks[-1].append(entry)
+            yield entry
+
+    queue.iter_free = logging
+    p = _policy(tier, link_bytes_per_step=1 << 20)
+    for c in chains:
+        p.note_chain(c)
+    p.note_step(200)
+    (first,) = p.plan(queue)
+    # (vLLM frees a request's blocks last first: a chain's last block is the nearer the head)
+    assert first.block_hash == chains[2][0] and walks[-1][0][2] == chains[0][1]
+    tier.add(first.block_hash)
+    p.done([first])
+    p.note_step(200)
+    (second,) = p.plan(queue)
+    assert walks[-1][0][2] == chains[1][0]  # resumed at the last block lmkv held in a row from the head
+    fresh = _policy(set(tier), link_bytes_per_step=1 << 20)
+    for c in chains:
+        fresh.note_chain(c)
+    fresh.note_step(200)
+    assert second.block_hash == fresh.plan(queue)[0].block_hash == chains[2][1]
+    tier.add(second.block_hash)
+    p.done([second])
+    p.note_step(200)
+    p.plan(queue)
+    assert walks[-1][0][2] == chains[1][0]  # the mark moves on over chain 2, lmkv's now
+    # a request revives chain 2's blocks (the mark's among them): the next walk starts at the head
+    req = make_request("again", list(range(203, 203 + 2 * BS)) + [1], 1, BS)
+    blocks, hit, *_ = mgr.get_computed_blocks(req)
+    assert hit == 2 * BS and [make_block_hash_with_group_id(h, 0) for h in req.block_hashes] == chains[2]
+    assert mgr.allocate_slots(req, 1, hit, blocks) is not None
+    p.note_step(200)
+    p.plan(queue)
+    assert walks[-1][0][2] == chains[0][1]
+    assert walks[-2][-1][2] == chains[3][0]  # (the walk before: past chain 2 to chain 3, not lmkv's)

@@ -166,6 +166,8 @@ class ReuseModel:
         self._watch: dict[Class, OrderedDict[EngineBlockKey, int]] = {}
         self._watched: dict[EngineBlockKey, Class] = {}
         self._missed: OrderedDict[EngineBlockKey, tuple[Class, int]] = OrderedDict()
+        self._scores: dict[tuple[Class, EngineBlockKey], float] = {}  # need_score's, for one step
+        self._scored_step = -1
 
     # -- what requests show --------------------------------------------------
 
@@ -267,7 +269,15 @@ class ReuseModel:
         horizon (within which 95% of the reuses its requests showed came) are judged: a conversation
         service's first turns all look one-shot until their second turns come, tens of seconds later,
         while a stream of one-shot prompts (whose only reuse is its system prompt's) is judged soon."""
-        fam = self._families.get(self._root.get(h, _NO_BLOCK))
+        return self.family_one_shot(self.family(h), step)
+
+    def family(self, h: EngineBlockKey) -> EngineBlockKey:
+        """The first page of ``h``'s chain: its family's key (an empty key if unknown)."""
+        return self._root.get(h, _NO_BLOCK)
+
+    def family_one_shot(self, root: EngineBlockKey, step: int) -> bool:
+        """:meth:`one_shot` of the family whose first page is ``root``."""
+        fam = self._families.get(root)
         if fam is None:
             return False
         judged = fam.judged(step)
@@ -297,14 +307,22 @@ class ReuseModel:
         95% bound (in doubt a block ranks high): its class's rate (:mod:`lmkv.offload.need`), no
         higher than its family's rate of repeating most of an earlier prompt (judged, as
         :meth:`one_shot` judges, on requests older than the family's reuse horizon); 1 without
-        evidence. For ranking where a copy link cannot take every block."""
-        k = self.need.counts.get(self.watch(h, step))
-        score = 1.0 if k is None else k.bound
-        fam = self._families.get(self._root.get(h, _NO_BLOCK))
-        if fam is not None:
-            judged = fam.judged(step)
-            if judged:
-                score = min(score, upper_bound(min(1.0, fam.repeats / judged), judged))
+        evidence. For ranking where a copy link cannot take every block. (Outcomes come with requests
+        and :meth:`settle`, not while a step is planned: a step's scores are kept per class and family.)"""
+        c, root = self.watch(h, step), self.family(h)
+        if step != self._scored_step:
+            self._scores.clear()
+            self._scored_step = step
+        score = self._scores.get((c, root))
+        if score is None:
+            k = self.need.counts.get(c)
+            score = 1.0 if k is None else k.bound
+            fam = self._families.get(root)
+            if fam is not None:
+                judged = fam.judged(step)
+                if judged:
+                    score = min(score, upper_bound(min(1.0, fam.repeats / judged), judged))
+            self._scores[(c, root)] = score
         return score
 
     def watch(self, h: EngineBlockKey, step: int) -> Class:
@@ -348,14 +366,14 @@ class ReuseModel:
         if len(self._missed) > WATCH_LIMIT:
             self._missed.popitem(last=False)
 
-    def tally(self) -> list[tuple[float, float]]:
+    def tally(self) -> dict[Class, tuple[float, float]]:
         """Per class, (blocks needed, blocks watched), the blocks still watched counted as not needed (as
-        the end of a run settles them): for evaluation (``lmkv bench offload``'s hindsight bound)."""
-        out = []
+        the end of a run settles them): for evaluation (``lmkv bench offload``'s hindsight bounds)."""
+        out = {}
         for c in set(self.need.counts) | set(self._watch):
             k = self.need.counts.get(c)
             pending = len(self._watch[c]) if c in self._watch else 0
-            out.append((k.needed if k else 0.0, (k.blocks if k else 0.0) + pending))
+            out[c] = (k.needed if k else 0.0, (k.blocks if k else 0.0) + pending)
         return out
 
     def settle(self, step: int) -> None:

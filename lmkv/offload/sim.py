@@ -57,6 +57,9 @@ class SimConfig:
     step_s: float = 0.04
     token_s: float = 2.5e-6  # a ~0.5B model's token (1 GFLOP at 400 TFLOP/s); 40e-6 for an 8B model
     lazy: OffloadConfig = field(default_factory=lambda: OffloadConfig(policy="lazy"))
+    #: evaluation only: under a declared link, lazy ranks due blocks by these per-class need rates
+    #: (another run's tally: known in hindsight) instead of its estimate's bounds
+    hindsight_rates: dict | None = None
 
 
 @dataclass
@@ -77,7 +80,7 @@ class SimResult:
     policy_us: list[float] = field(default_factory=list, repr=False)
     oracle_blocks: set = field(default_factory=set, repr=False)  # none: evicted, then asked for again
     #: lazy: per class of the need estimate, (blocks needed again, blocks watched) at the end
-    need_classes: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    need_classes: dict = field(default_factory=dict, repr=False)
 
     @property
     def policy_us_median(self) -> float:
@@ -134,6 +137,9 @@ class _Run:
         if cfg.d2h_bytes_per_step is not None:  # the simulated link is declared to the policy
             lazy_cfg = lazy_cfg.model_copy(update={"link_bytes_per_step": cfg.d2h_bytes_per_step})
         self.lazy = LazyOffload(lazy_cfg, cfg.page_bytes, self.tier.__contains__) if policy == "lazy" else None
+        if self.lazy is not None and cfg.hindsight_rates is not None:
+            reuse, rates = self.lazy.reuse, cfg.hindsight_rates
+            reuse.need_score = lambda h, step: rates.get(reuse.watch(h, step), 1.0)  # type: ignore[method-assign]
         self.peer = LMCacheStoreQueue(self.pool) if policy == "lmcache" else None
         self.scheduled = 0  # tokens this step computes (the peer's estimate of the next step's blocks)
         self.step_s: float | None = None  # the steps' time as the workers would report it (EMA, one step late)
