@@ -52,12 +52,9 @@ class VllmFreeQueue:
         # cost a generator frame and a call per block, most of the walk on a large pool)
         queue = self.pool.free_block_queue
         tail = queue.fake_free_list_tail
-        if start is None:
-            block, i = queue.fake_free_list_head.next_free_block, 0
-        else:
-            block, i = self.pool.blocks[start], at
-            if block.prev_free_block is None:  # (out of the queue: the caller's mark is stale)
-                raise ValueError(f"block {start} is not in the free queue")
+        block, i = queue.fake_free_list_head.next_free_block, 0
+        if start is not None and self.pool.blocks[start].prev_free_block is not None:
+            block, i = self.pool.blocks[start], at  # (a block out of the queue: from the head)
         while i < limit and block is not None and block is not tail:
             h = block.block_hash
             if h is not None:

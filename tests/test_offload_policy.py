@@ -591,3 +591,5 @@ def test_under_a_link_the_walk_resumes_past_the_blocks_lmkv_holds(engine):
     p.plan(queue)
     assert walks[-1][0][2] == chains[0][1]
     assert walks[-2][-1][2] == chains[3][0]  # (the walk before: past chain 2 to chain 3, not lmkv's)
+    null = mgr.block_pool.null_block.block_id  # never in the free queue: asked to start there, it starts at the head
+    assert list(inner(1 << 20, null, 99)) == list(inner(1 << 20))

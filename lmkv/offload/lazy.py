@@ -109,8 +109,8 @@ class FreeQueue(Protocol):
         """The cached blocks among the first ``limit`` free blocks in eviction order (next to be reused
         first): (position in the queue, block id, hash). Never-used blocks are passed over in the
         engine's own loop: a large pool's head holds thousands of them. ``start``: begin at this block
-        (in the queue, neither held nor handed out since it was seen there), counting it at position
-        ``at``, instead of at the head."""
+        (neither held nor handed out since it was seen in the queue), counting it at position ``at``,
+        instead of at the head (where a block out of the queue is asked for)."""
 
     def cached_block(self, block_hash: EngineBlockKey) -> int | None:
         """The block that holds ``block_hash`` in the engine's cache, if any."""
