@@ -542,9 +542,9 @@ def test_a_short_link_copies_the_blocks_more_likely_needed_first(engine):
 
 def test_under_a_link_the_walk_resumes_past_the_blocks_lmkv_holds(engine):
     """Under a declared link, the blocks lmkv copied sit at the queue's head until the engine takes them:
-    the next walk starts at the last of them (a mark) instead of passing them again, and plans what a
-    walk from the head would; a mark whose block a request revived is dropped (the walk starts at the
-    head again)."""
+    the next walk starts at the first block the last walk found worth a copy (a mark) instead of passing
+    them again, and plans what a walk from the head would; a mark whose block a request revived is
+    dropped (the walk starts at the head again)."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
     mgr, queue, finish = engine
@@ -571,7 +571,7 @@ def test_under_a_link_the_walk_resumes_past_the_blocks_lmkv_holds(engine):
     p.done([first])
     p.note_step(200)
     (second,) = p.plan(queue)
-    assert walks[-1][0][2] == chains[1][0]  # resumed at the last block lmkv held in a row from the head
+    assert walks[-1][0][2] == chains[2][1]  # resumed where the blocks lmkv held from the head ended
     fresh = _policy(set(tier), link_bytes_per_step=1 << 20)
     for c in chains:
         fresh.note_chain(c)
@@ -581,15 +581,40 @@ def test_under_a_link_the_walk_resumes_past_the_blocks_lmkv_holds(engine):
     p.done([second])
     p.note_step(200)
     p.plan(queue)
-    assert walks[-1][0][2] == chains[1][0]  # the mark moves on over chain 2, lmkv's now
-    # a request revives chain 2's blocks (the mark's among them): the next walk starts at the head
-    req = make_request("again", list(range(203, 203 + 2 * BS)) + [1], 1, BS)
+    assert walks[-1][0][2] == chains[2][1] and walks[-1][-1][2] == chains[3][0]  # the mark moves on to chain 3
+    # a request revives chain 3's blocks (the mark's among them): the next walk starts at the head
+    req = make_request("again", list(range(303, 303 + 2 * BS)) + [1], 1, BS)
     blocks, hit, *_ = mgr.get_computed_blocks(req)
-    assert hit == 2 * BS and [make_block_hash_with_group_id(h, 0) for h in req.block_hashes] == chains[2]
+    assert hit == 2 * BS and [make_block_hash_with_group_id(h, 0) for h in req.block_hashes] == chains[3]
     assert mgr.allocate_slots(req, 1, hit, blocks) is not None
     p.note_step(200)
     p.plan(queue)
     assert walks[-1][0][2] == chains[0][1]
-    assert walks[-2][-1][2] == chains[3][0]  # (the walk before: past chain 2 to chain 3, not lmkv's)
     null = mgr.block_pool.null_block.block_id  # never in the free queue: asked to start there, it starts at the head
     assert list(inner(1 << 20, null, 99)) == list(inner(1 << 20))
+
+
+def test_a_walk_from_the_head_starts_past_the_never_used_blocks_it_passed_before(engine):
+    """A large pool's queue begins with thousands of never-used blocks: a walk from the head starts where
+    the last one found them end, moved by what the engine took from the head and put back there since
+    (blocks without a hash go back to the head): the same blocks at the same places as a walk from the
+    head."""
+    mgr, queue, finish = engine
+    pool = mgr.block_pool
+
+    def from_head() -> list:
+        queue._cold = None
+        return list(queue.iter_free(1 << 20))
+
+    a = finish("a", list(range(3, 3 + 2 * BS)))
+    expected = from_head()
+    assert expected[0][0] == 61 and queue._cold[1] == 60  # (63 free blocks: 61 never used, then a's two)
+    assert list(queue.iter_free(1 << 20)) == expected
+    taken = pool.get_new_blocks(5)  # the engine takes five never-used blocks from the head
+    assert queue._cold[1] == 55 and list(queue.iter_free(1 << 20)) == from_head()
+    pool.free_blocks(taken)  # and puts them back there: never cached
+    assert queue._cold[1] == 60 and list(queue.iter_free(1 << 20)) == from_head() == expected
+    b = finish("b", list(range(500, 500 + 2 * BS)))
+    walk = list(queue.iter_free(1 << 20))
+    assert walk == from_head() and [h for *_, h in walk] == [*a[::-1], *b[::-1]]
+    assert queue.head_shift() == -4  # a's and b's pages, taken from the head and freed, cached, to the tail

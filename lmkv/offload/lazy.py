@@ -120,6 +120,10 @@ class FreeQueue(Protocol):
     def held(self, block_id: int) -> bool:
         """Whether a running request holds the block (it is out of the free queue)."""
 
+    def head_shift(self) -> int:
+        """Blocks that came to the head of the queue since the last call, less those taken from it (the
+        engine puts blocks without a hash back at the head, to be reused first)."""
+
     def take_reused(self) -> list[tuple[int, EngineBlockKey]]:
         """Cached blocks the engine handed out since the last call, each with the hash it held, in
         order. Their bytes stay as they were until the step's forward writes them, so a copy made
@@ -176,12 +180,12 @@ class Pick:
 
 @dataclass
 class _Mark:
-    """With a declared link: a block in the free queue before which no cached block was worth a copy when
-    a walk judged it, where the next walk starts (:meth:`LazyOffload._resume`)."""
+    """With a declared link: a cached block in the free queue before which no cached block was worth a copy
+    when a walk judged it, where the next walk starts (:meth:`LazyOffload._resume`)."""
 
     block_id: int
     block_hash: EngineBlockKey
-    position: int  # in the queue, as of the last step (less the blocks the engine took since)
+    position: int  # in the queue (moved by what came to and went from the head since it was seen)
     cached: int  # cached blocks before it
     #: the verdicts the blocks passed rest on besides lmkv holding them: (family, class) of each passed
     #: because its family looks one-shot; the mark stands while every family still does and no class was
@@ -290,9 +294,6 @@ class LazyOffload:
         self.alloc_ema = (1 - a) * self.alloc_ema + a * blocks_allocated
         if self.link_bound:
             self.burst = max(float(blocks_allocated), self.burst * BURST_DECAY)
-        if self._mark is not None:  # the engine took its blocks from the head: the mark moved up
-            self._mark.position = max(0, self._mark.position - blocks_allocated)
-            self._mark.cached = max(0, self._mark.cached - blocks_allocated)
 
     def observe_copies(self, bytes_per_s: float, step_s: float) -> None:
         """The copy link's measured rate and the engine's step time: without a fixed cap, a step may plan
@@ -334,8 +335,13 @@ class LazyOffload:
         worth their bytes (rescued: copied before the step's forward); then blocks near the queue's
         head (copied during it)."""
         reused = pool.take_reused()
-        if self._mark is not None and any(b == self._mark.block_id for b, _ in reused):
-            self._mark = None  # handed out: its bytes, and its place, are another block's now
+        shift = pool.head_shift()
+        if self._mark is not None:  # blocks came to and went from the head: the mark's place moved
+            if any(b == self._mark.block_id for b, _ in reused):
+                self._mark = None  # handed out: its bytes, and its place, are another block's now
+            else:
+                self._mark.position = max(0, self._mark.position + shift)
+                self._mark.cached = max(0, self._mark.cached - len(reused))
         if self.link_bound:
             self.burst_evicted = max(float(len(reused)), self.burst_evicted * BURST_DECAY)
         if self.estimating:
@@ -431,18 +437,19 @@ class LazyOffload:
             reach = math.ceil(self.burst) + self.cfg.watermark_blocks
             evicts = math.ceil(self.burst_evicted) + (self.cfg.watermark_blocks if self.burst_evicted >= 1 else 0)
             start, at, cached = self._resume(pool)
-        covered = self.link_bound  # no cached block walked so far was worth a copy: the mark may move on
+        covered = self.link_bound  # no cached block walked so far was worth a copy: the mark may move on (past
+        # the never-used blocks at a large pool's head, too: none of them is cached until the engine takes it)
         verdicts = self._mark.one_shot if self._mark is not None else set()
         for i, bid, h in pool.iter_free(max(depth, reach), start, at):
             in_burst = cached < evicts and i < reach
             if i >= depth and not in_burst:
                 return
             worth = self._worth(h)
-            if covered and not worth:
-                if not (self.in_tier(h) or h in self.inflight):  # passed as its family looks one-shot
+            if covered:  # (the next walk starts at this block: it judges it again)
+                if not worth and not (self.in_tier(h) or h in self.inflight):  # its family looks one-shot
                     verdicts.add((self.reuse.family(h), self.reuse.watch(h, self._step)))
                 self._mark = _Mark(bid, h, i, cached, verdicts)
-            covered = covered and not worth
+                covered = not worth
             cached += 1
             if worth:
                 yield h
@@ -458,9 +465,9 @@ class LazyOffload:
         0.15-4 ms from the mark, with the same blocks copied, lost and hit in every link run of
         ``lmkv bench offload``. A page lmkv's own tier dropped is not copied again while its block sits
         before the mark (lmkv chose to drop it).
-        The mark's position is the one it was seen at less the blocks the engine took since
-        (:meth:`note_step`; a block revived from before it makes that an overestimate until the mark
-        moves: the zone ends a little sooner)."""
+        The mark's position is the one it was seen at moved by what came to and went from the head since
+        (:meth:`FreeQueue.head_shift`; a block revived from before it makes that an overestimate until
+        the mark moves: the zone ends a little sooner)."""
         mark, self._mark = self._mark, None
         if mark is None or pool.held(mark.block_id) or pool.block_hash(mark.block_id) != mark.block_hash:
             return None, 0, 0

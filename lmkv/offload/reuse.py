@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from lmkv.keys import EngineBlockKey
@@ -366,7 +366,7 @@ class ReuseModel:
         if len(self._missed) > WATCH_LIMIT:
             self._missed.popitem(last=False)
 
-    def tally(self) -> dict[Class, tuple[float, float]]:
+    def tally(self) -> dict[Hashable, tuple[float, float]]:
         """Per class, (blocks needed, blocks watched), the blocks still watched counted as not needed (as
         the end of a run settles them): for evaluation (``lmkv bench offload``'s hindsight bounds)."""
         out = {}
