@@ -456,18 +456,19 @@ class LazyOffload:
 
     def _resume(self, pool: FreeQueue) -> tuple[int | None, int, int]:
         """Where a walk under a declared link starts: at the mark, if its block is still in the free queue
-        with the same bytes (not handed out, not revived by a request since: the engine takes blocks
-        from the head and frees them to the tail, so no block came before it meanwhile), or at the
-        head, and while the verdicts the blocks passed rest on hold (their families still look one-shot,
-        no class of theirs was shown needed since). Under a link, the blocks lmkv copied (and those of
-        one-shot families, not copied) sit at the head until the engine takes them, and a walk from the
-        head judged them again every step: 3-9 ms a step on the Mooncake trace and the generator,
-        0.15-4 ms from the mark, with the same blocks copied, lost and hit in every link run of
-        ``lmkv bench offload``. A page lmkv's own tier dropped is not copied again while its block sits
-        before the mark (lmkv chose to drop it).
-        The mark's position is the one it was seen at moved by what came to and went from the head since
-        (:meth:`FreeQueue.head_shift`; a block revived from before it makes that an overestimate until
-        the mark moves: the zone ends a little sooner)."""
+        with the same bytes (not handed out, not revived by a request since: the engine frees cached
+        blocks to the tail and puts only blocks without a hash back at the head, so no cached block came
+        before it meanwhile) and the verdicts the blocks passed rest on still hold (their families still
+        look one-shot, no class of theirs was shown needed since); else at the head. Under a link, the
+        blocks lmkv copied (and those of one-shot families, not copied) sit at the head until the engine
+        takes them, and a walk from the head judged them again every step: 0.6-7.7 ms a step (median
+        per run) on the Mooncake trace and the generator, 0.13-2.5 ms from the mark (and past the
+        never-used blocks, :mod:`lmkv.connectors.vllm_pool`), the same blocks copied, lost and hit in
+        every link run of ``lmkv bench offload``. A page lmkv's own tier dropped is not copied again
+        while its block sits before the mark (lmkv chose to drop it). The mark's position is the one it
+        was seen at, moved by what came to and went from the head since (:meth:`FreeQueue.head_shift`;
+        a block revived from before it makes that an overestimate until the mark moves: the zone ends
+        a little sooner)."""
         mark, self._mark = self._mark, None
         if mark is None or pool.held(mark.block_id) or pool.block_hash(mark.block_id) != mark.block_hash:
             return None, 0, 0
