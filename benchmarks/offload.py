@@ -44,6 +44,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
@@ -94,16 +95,23 @@ def _trace(task: Task, tmp: str) -> list[TraceRequest]:
     return load(path)
 
 
-def _hindsight(r: SimResult) -> float:
-    """Blocks a class-level policy with hindsight copies to keep ``KEEP`` of the needed blocks."""
-    total = sum(n for n, _ in r.need_classes.values())
+def _keep_most_needed(groups: Iterable[Sequence[float]]) -> float:
+    """Blocks copied by a policy that knew each group's (needed, blocks) in hindsight and copied whole
+    groups, most needed first, until ``KEEP`` of the needed blocks are kept."""
+    rows = sorted(groups, key=lambda g: -(g[0] / g[1] if g[1] else 0))
+    total = sum(needed for needed, _ in rows)
     kept = copied = 0.0
-    for needed, blocks in sorted(r.need_classes.values(), key=lambda c: -(c[0] / c[1] if c[1] else 0)):
+    for needed, blocks in rows:
         if kept >= KEEP * total:
             break
         kept += needed
         copied += blocks
     return copied
+
+
+def _hindsight(r: SimResult) -> float:
+    """Blocks a class-level policy with hindsight copies to keep ``KEEP`` of the needed blocks."""
+    return _keep_most_needed(r.need_classes.values())
 
 
 def _request_bound(trace: list[TraceRequest], block: int = 32) -> tuple[int, int]:
@@ -131,13 +139,7 @@ def _request_bound(trace: list[TraceRequest], block: int = 32) -> tuple[int, int
         row = groups.setdefault(g, [0, 0])
         row[0] += seen[k] > 1
         row[1] += 1
-    reused = sum(n for n, _ in groups.values())
-    kept = copied = 0
-    for n, total in sorted(groups.values(), key=lambda row: -row[0] / row[1]):
-        if kept >= KEEP * reused:
-            break
-        kept, copied = kept + n, copied + total
-    return reused, copied
+    return sum(n for n, _ in groups.values()), int(_keep_most_needed(groups.values()))
 
 
 def _run(task: Task) -> Outcome:

@@ -137,8 +137,7 @@ LOOKAHEAD_GAIN = 512.0
 #: with a declared link, how many steps of its budget of due blocks are ranked by need together (on the
 #: Mooncake trace / the generator under a link at half eager's rate, lost blocks against eager's: 4 steps
 #: 0.70x / 0.64x, 16 steps 0.65x / 0.62x, 64 steps 0.66x / 0.59x at 1.4x the run time; the zone's order
-#: alone 0.76x / 0.64x). The walk to find them passes the blocks lmkv holds already: it costs more
-#: than the ranking itself. (Scheduling them by deadline instead, the exact greedy for copies that each
+#: alone 0.76x / 0.64x). (Scheduling them by deadline instead, the exact greedy for copies that each
 #: must be made before the engine reaches the block at its mean rate, lost 0.75x / 0.64x: later steps'
 #: link time, which that schedule counts on, goes to the blocks that come due meanwhile and to bursts.)
 NEED_WINDOW = 16
