@@ -35,7 +35,7 @@ Top level (shared/BENCH.md): the ``gen`` family's sums as ``bytes_written`` (vs 
 ``bytes_vs_oracle``, ``hit_tokens``, ``blocks_lost``, ``computed_tokens``, ``stale_writes``
 (must be 0), ``rescued_pages`` (copies made before a step's forward: on its critical path),
 ``bw.*``; ``policy_us_per_step``: lazy's median time per step with 100k blocks and 1k
-running requests.
+running requests (``.link``: the same under a declared link at half of eager's mean write rate).
 """
 
 from __future__ import annotations
@@ -267,9 +267,14 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
         _family(report, name, [o for o in outcomes if o.task.family == name], peer)
     _top(report, gen)
     running = 250 if quick else 1000
-    big = simulate(_scale_trace(running, 2048, 48),
-                   SimConfig(num_blocks=100_000, max_running=running, step_tokens=1 << 20), "lazy")
+    at_scale = SimConfig(num_blocks=100_000, max_running=running, step_tokens=1 << 20)
+    big_trace = _scale_trace(running, 2048, 48)
+    big = simulate(big_trace, at_scale, "lazy")
     report.add("policy_us_per_step", big.policy_us_median, "us")
+    eager = simulate(big_trace, at_scale, "eager")  # (the link: half of eager's mean write rate, as bw.* declare)
+    link = max(at_scale.page_bytes, int(eager.writes / max(1, eager.steps) * at_scale.page_bytes / 2))
+    report.add("policy_us_per_step.link", simulate(big_trace, replace(at_scale, d2h_bytes_per_step=link), "lazy")
+               .policy_us_median, "us")
     report.params["policy_scale"] = {"blocks": 100_000, "running": running, "steps": big.steps}
     return report
 
