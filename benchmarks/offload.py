@@ -28,7 +28,10 @@ can reach at best; ``hindsight_requests_vs_reused``: the same with hindsight ove
 request shows (its turn, its prompt's and answer's length, a block's place), against the trace's blocks
 asked for again, whatever the budget; ``bw.hindsight_classes_blocks_lost``: under the link, the blocks
 lost by lazy ranking due blocks by their class's need rate known in hindsight (the same run's tally)
-instead of its estimate's bound: what ranking by class can reach there; ``bw.policy_us_per_step``: the
+instead of its estimate's bound: what ranking by class can reach there; ``bw.judged_at_once_blocks_lost``:
+the same with families judged on all their requests at once, not only on those older than their reuse
+horizon (a stream of one-shot prompts is skipped sooner; a conversation service's first turns are skipped
+before their second turns could come); ``bw.policy_us_per_step``: the
 policy's time per step under the link (the slowest run's median). Per budget: ``{family}.{f}x.*``.
 
 Top level (shared/BENCH.md): the ``gen`` family's sums as ``bytes_written`` (vs eager),
@@ -156,6 +159,7 @@ def _run(task: Task) -> Outcome:
     runs["bw_eager"], runs["bw_lazy"] = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
     rates = {c: n / total if total else 0.0 for c, (n, total) in runs["bw_lazy"].need_classes.items()}
     runs["bw_hindsight"] = simulate(trace, replace(bw, hindsight_rates=rates), "lazy")
+    runs["bw_at_once"] = simulate(trace, replace(bw, judge_at_once=True), "lazy")
     if task.peer:
         runs["lmcache"] = simulate(trace, cfg, "lmcache")
     out = Outcome(task, {"oracle": len(runs["none"].oracle_blocks), "hindsight": _hindsight(runs["lazy"])})
@@ -214,6 +218,9 @@ def _family(report: Report, name: str, outcomes: list[Outcome], peer: bool) -> N
     add("bw.hindsight_classes_blocks_lost", _sum(outcomes, "bw_hindsight.blocks_lost"), "blocks",
         _sum(outcomes, "bw_eager.blocks_lost"), "eager under the same copy link; value: lazy ranking due blocks by "
         "their class's need rate known in hindsight (the same runs' tally) instead of its estimate")
+    add("bw.judged_at_once_blocks_lost", _sum(outcomes, "bw_at_once.blocks_lost"), "blocks",
+        _sum(outcomes, "bw_eager.blocks_lost"), "eager under the same copy link; value: lazy judging a family "
+        "one-shot on all its requests, not waiting for its reuse horizon (before any return could have come)")
     if peer:
         add("lmcache_bytes_vs_oracle", _sum(outcomes, "lmcache.writes") * page, "bytes", oracle,
             f"offline oracle, {runs} ({peer_what})")
@@ -291,7 +298,7 @@ def _top(report: Report, gen: list[Outcome]) -> None:
     # what a tier hit is for: tokens the engine did not compute
     report.add("computed_tokens", _sum(gen, "lazy.computed_tokens"), "tokens", _sum(gen, "eager.computed_tokens"),
                vs_eager)
-    lazy_runs = ("lazy", "lazy8b", "bw_lazy", "bw_hindsight")
+    lazy_runs = ("lazy", "lazy8b", "bw_lazy", "bw_hindsight", "bw_at_once")
     report.add("stale_writes", sum(_sum(gen, f"{p}.stale_writes") for p in lazy_runs), "writes")
     report.add("wasted_writes", _sum(gen, "lazy.wasted_writes"), "blocks", _sum(gen, "eager.wasted_writes"), vs_eager)
     report.add("rescued_pages", _sum(gen, "lazy.rescues"), "pages", _sum(gen, "lazy.writes") or None,

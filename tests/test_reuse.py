@@ -168,6 +168,9 @@ def test_one_shot_families_and_forgetting():
     assert not m.one_shot(b"p3a", 9) and not m.one_shot(b"p3a", later)  # (7 requests old enough)
     assert m.one_shot(b"p3a", later + 1) and m._class(b"p3a", later + 1)[0]
     assert not ReuseModel(2, 0.1, min_family_requests=16, min_reuse_rate=0.1).one_shot(b"p3a", later + 1)
+    m.wait_for_returns = False  # (evaluation: judged on every request so far, ten of them, at once)
+    assert m.one_shot(b"p3a", 10) and m.need_score(b"p3a", 10) == pytest.approx(upper_bound(0.0, 10))
+    m.wait_for_returns = True
     assert len(m._lineages) == 2  # bounded
     for i in range(5):  # one-shot prompts without a shared first page: one family each, bounded too
         note(m, chain(f"alone{i}", "x"))

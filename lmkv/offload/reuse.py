@@ -168,6 +168,9 @@ class ReuseModel:
         self._missed: OrderedDict[EngineBlockKey, tuple[Class, int]] = OrderedDict()
         self._scores: dict[tuple[Class, EngineBlockKey], float] = {}  # need_score's, for one step
         self._scored_step = -1
+        #: judge a family only on requests older than its reuse horizon; False (evaluation only, ``lmkv bench
+        #: offload``): on all its requests at once, to show what judging before returns could come costs
+        self.wait_for_returns = True
 
     # -- what requests show --------------------------------------------------
 
@@ -280,8 +283,11 @@ class ReuseModel:
         fam = self._families.get(root)
         if fam is None:
             return False
-        judged = fam.judged(step)
+        judged = self._judged(fam, step)
         return judged >= self._min_requests and fam.repeats < self._min_rate * judged
+
+    def _judged(self, fam: Family, step: int) -> int:
+        return fam.judged(step) if self.wait_for_returns else fam.before(step)
 
     # -- outcomes --------------------------------------------------------------
 
@@ -319,7 +325,7 @@ class ReuseModel:
             score = 1.0 if k is None else k.bound
             fam = self._families.get(root)
             if fam is not None:
-                judged = fam.judged(step)
+                judged = self._judged(fam, step)
                 if judged:
                     score = min(score, upper_bound(min(1.0, fam.repeats / judged), judged))
             self._scores[(c, root)] = score

@@ -60,6 +60,9 @@ class SimConfig:
     #: evaluation only: under a declared link, lazy ranks due blocks by these per-class need rates
     #: (another run's tally: known in hindsight) instead of its estimate's bounds
     hindsight_rates: dict | None = None
+    #: evaluation only: lazy judges a family on all its requests at once, not only on those older than its
+    #: reuse horizon (what judging a family one-shot before its returns could have come costs or saves)
+    judge_at_once: bool = False
 
 
 @dataclass
@@ -140,6 +143,8 @@ class _Run:
         if self.lazy is not None and cfg.hindsight_rates is not None:
             reuse, rates = self.lazy.reuse, cfg.hindsight_rates
             reuse.need_score = lambda h, step: rates.get(reuse.watch(h, step), 1.0)  # type: ignore[method-assign]
+        if self.lazy is not None:
+            self.lazy.reuse.wait_for_returns = not cfg.judge_at_once
         self.peer = LMCacheStoreQueue(self.pool) if policy == "lmcache" else None
         self.scheduled = 0  # tokens this step computes (the peer's estimate of the next step's blocks)
         self.step_s: float | None = None  # the steps' time as the workers would report it (EMA, one step late)
