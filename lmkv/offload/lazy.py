@@ -63,10 +63,11 @@ The lazy policy looks only at the *danger zone* at the head of the queue:
   from cache, so skipping copies can never make a family look one-shot; and only on
   requests older than the family's reuse horizon (within which 95% of its reuses came): a
   conversation service's first turns all look one-shot until their second turns come,
-  tens of seconds later (on the Mooncake trace under a link at half eager's rate its one
-  family was skipped for its first minutes: judged so, lmkv lost 0.76x eager's blocks
-  instead of 1.22x. The price: a stream of one-shot prompts is judged 512 steps later,
-  and on the generator (8 seeds) lmkv lost 0.64x eager's blocks instead of 0.40x).
+  tens of seconds later (on the Mooncake trace under a link at half eager's rate, judged on
+  all its requests at once, its one family was skipped for its first minutes and lmkv lost
+  1.19x eager's blocks; judged so, 0.65x. The price: a stream of one-shot prompts is judged
+  512 steps later, and on the generator (8 seeds) lmkv loses 0.62x eager's blocks instead of
+  0.37x: ``lmkv bench offload``'s ``*.bw.judged_at_once_blocks_lost``).
 - **ranked by need** (with a declared link): a link that cannot copy every due block spends
   its time on those most likely needed: the due blocks of the next ``NEED_WINDOW`` steps'
   budgets are ranked by the upper 95% bound of their class's need rate, capped by their
