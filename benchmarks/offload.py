@@ -145,6 +145,12 @@ def _request_bound(trace: list[TraceRequest], block: int = 32) -> tuple[int, int
     return sum(n for n, _ in groups.values()), int(_keep_most_needed(groups.values()))
 
 
+def _half_eager_link(eager: SimResult, page_bytes: int) -> int:
+    """The copy link the ``bw.*`` runs declare: half of eager's mean write rate, in bytes per step (at
+    least a page)."""
+    return max(page_bytes, int(eager.writes / max(1, eager.steps) * page_bytes / 2))
+
+
 def _run(task: Task) -> Outcome:
     logging.getLogger("lmkv").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(dir=task.directory) as tmp:
@@ -154,8 +160,7 @@ def _run(task: Task) -> Outcome:
     cfg = SimConfig(num_blocks=blocks, page_bytes=SMALL[0], token_s=SMALL[1])
     runs = {p: simulate(trace, cfg, p) for p in ("none", "eager", "lazy")}
     runs["lazy8b"] = simulate(trace, SimConfig(num_blocks=blocks, page_bytes=EIGHT_B[0], token_s=EIGHT_B[1]), "lazy")
-    rate = runs["eager"].writes / max(1, runs["eager"].steps) * cfg.page_bytes
-    bw = SimConfig(num_blocks=blocks, d2h_bytes_per_step=max(cfg.page_bytes, int(rate / 2)))
+    bw = SimConfig(num_blocks=blocks, d2h_bytes_per_step=_half_eager_link(runs["eager"], cfg.page_bytes))
     runs["bw_eager"], runs["bw_lazy"] = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
     rates = {c: n / total if total else 0.0 for c, (n, total) in runs["bw_lazy"].need_classes.items()}
     runs["bw_hindsight"] = simulate(trace, replace(bw, hindsight_rates=rates), "lazy")
@@ -278,8 +283,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
     big_trace = _scale_trace(running, 2048, 48)
     big = simulate(big_trace, at_scale, "lazy")
     report.add("policy_us_per_step", big.policy_us_median, "us")
-    eager = simulate(big_trace, at_scale, "eager")  # (the link: half of eager's mean write rate, as bw.* declare)
-    link = max(at_scale.page_bytes, int(eager.writes / max(1, eager.steps) * at_scale.page_bytes / 2))
+    link = _half_eager_link(simulate(big_trace, at_scale, "eager"), at_scale.page_bytes)
     report.add("policy_us_per_step.link", simulate(big_trace, replace(at_scale, d2h_bytes_per_step=link), "lazy")
                .policy_us_median, "us")
     report.params["policy_scale"] = {"blocks": 100_000, "running": running, "steps": big.steps}

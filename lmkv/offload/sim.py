@@ -140,11 +140,12 @@ class _Run:
         if cfg.d2h_bytes_per_step is not None:  # the simulated link is declared to the policy
             lazy_cfg = lazy_cfg.model_copy(update={"link_bytes_per_step": cfg.d2h_bytes_per_step})
         self.lazy = LazyOffload(lazy_cfg, cfg.page_bytes, self.tier.__contains__) if policy == "lazy" else None
-        if self.lazy is not None and cfg.hindsight_rates is not None:
-            reuse, rates = self.lazy.reuse, cfg.hindsight_rates
-            reuse.need_score = lambda h, step: rates.get(reuse.watch(h, step), 1.0)  # type: ignore[method-assign]
-        if self.lazy is not None:
-            self.lazy.reuse.wait_for_returns = not cfg.judge_at_once
+        if self.lazy is not None:  # (the evaluation-only settings)
+            reuse = self.lazy.reuse
+            reuse.wait_for_returns = not cfg.judge_at_once
+            if cfg.hindsight_rates is not None:
+                rates = cfg.hindsight_rates
+                reuse.need_score = lambda h, step: rates.get(reuse.watch(h, step), 1.0)  # type: ignore[method-assign]
         self.peer = LMCacheStoreQueue(self.pool) if policy == "lmcache" else None
         self.scheduled = 0  # tokens this step computes (the peer's estimate of the next step's blocks)
         self.step_s: float | None = None  # the steps' time as the workers would report it (EMA, one step late)
