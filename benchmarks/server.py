@@ -27,6 +27,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -39,6 +40,8 @@ from lmkv.dev.server_process import spawn
 from lmkv.page import make_header
 from lmkv.serve import shm_window
 from lmkv.serve.protocol import PROTOCOL_VERSION, Hello, Keys, Op, encode, frame, read_frame, recv_exact
+from lmkv.tiers.base import TierStats
+from lmkv.tiers.quarantine import Quarantine
 from lmkv.tiers.server_client import ServerTier
 
 log = logging.getLogger("lmkv.bench.server")
@@ -142,7 +145,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
             tcp = ServerTier(RemoteConfig(url=server.url, shm="never"))
             shm = ServerTier(RemoteConfig(url=server.url, shm="auto"))
             arena = shm_window.create(n * PAGE, "lmkv-bench-arena")
-            shm.share_arena(arena)
+            shm.share_arena(arena, Quarantine(threading.Lock(), lambda *_: None, n * PAGE, TierStats()))
             arena_outs = [arena.buf[i * PAGE : (i + 1) * PAGE] for i in range(n)]
             arena_srcs = [arena.buf[(n - 1 - i) * PAGE : (n - i) * PAGE] for i in range(n)]
             assert all(tcp.put(pages, "bench"))

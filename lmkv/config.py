@@ -48,8 +48,13 @@ class MemoryConfig(_Section):
         ByteSize(64 << 20), description="arena slab; every page must fit in one slab"
     )
     verify_checksums: bool = Field(
-        False, description="verify page checksums on in-process reads (they never cross a boundary)"
+        False, description="verify a page's checksums every time it is read from memory, engine loads included "
+        "(pages arriving from another tier are verified on the way in either way)"
     )
+    quarantine_limit: ByteSize | None = Field(
+        None, description="bytes of arena slots held back at most for writers that were given up on and may "
+        "still write there (a same-host server that stalled past remote.timeout); beyond it such a server's "
+        "reads go through its connection's own window instead. Unset: a quarter of capacity")
     pin: Literal["auto", "always", "never"] = Field(
         "auto", description="page-lock the arena in place (cudaHostRegister) for the GPU copy kernel: auto = "
         "when CUDA is available (unpinned, with a warning, if that fails), always = an error if it fails"

@@ -131,7 +131,7 @@ class LayerFetch:
     def _setup(self, pool: Executor) -> None:
         holders: list[tuple[Tier, list[int]]] = []
         try:
-            lease = self.store.memory.borrow(self.keys)
+            lease = self.store.memory.borrow(self.keys, layout=self.layout)
             self._leases.append(lease)
             self.views, self.headers = list(lease.views), list(lease.headers)
             missing = [i for i, v in enumerate(self.views) if v is None]

@@ -30,6 +30,8 @@ _COUNTERS = {
     "errors": "I/O errors other than a full tier",
     "full": "puts refused because the tier (or its file system) was full",
     "puts": "pages stored",
+    "quarantined": "slots held back from reuse because a writer that was given up on may still write them",
+    "reclaimed": "quarantined slots let go once their writer was known to be finished",
 }
 
 
@@ -72,6 +74,7 @@ class _TierCollector(Collector):
         for name, doc, attr in (
             ("lmkv_used_bytes", "bytes resident", "used_bytes"),
             ("lmkv_capacity_bytes", "configured capacity", "capacity_bytes"),
+            ("lmkv_quarantined_bytes", "bytes held back for writers that may still finish late", "quarantined_bytes"),
         ):
             g = GaugeMetricFamily(name, doc, labels=["tier"])
             for t in tiers:

@@ -202,7 +202,7 @@ class TieredStore:
         into memory as above.
         """
         with self.metrics.timed("fetch"):
-            lease = self.memory.borrow(keys)
+            lease = self.memory.borrow(keys, layout=layout)
             views: list = list(lease.views)
             found: list = list(lease.headers)
             missing = [i for i, v in enumerate(views) if v is None]
@@ -279,7 +279,7 @@ class TieredStore:
         ``None`` where a page failed: its buffers may then hold anything."""
         with self.metrics.timed("get_units"):
             results: list[PageHeader | None] = [None] * len(keys)
-            with self.memory.borrow(keys) as lease:
+            with self.memory.borrow(keys, layout=layout) as lease:
                 for i, (view, header) in enumerate(zip(lease.views, lease.headers)):
                     if view is not None:
                         copy_units(layout, view, units[i])
@@ -482,7 +482,8 @@ class TieredStore:
         out = {}
         for t in self.tiers:
             d = dict(vars(t.stats))
-            d.update(pages=len(t), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes)
+            d.update(pages=len(t), used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes,
+                     quarantined_bytes=t.quarantined_bytes)
             out[t.name] = d
         return out
 

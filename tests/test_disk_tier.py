@@ -258,8 +258,9 @@ def test_cached_pages_are_read_inline_and_uncached_ones_on_io_threads(tmp_path, 
     keys, payloads, pages = make_pages(layout, 6)
     t.put(pages, "w0")
     handed = []
-    real_map = t._io.map
-    t._io.map = lambda fn, items: (handed.extend(items := list(items)), real_map(fn, items))[1]
+    real_map = disk.settled_map
+    monkeypatch.setattr(disk, "settled_map", lambda pool, fn, items: (handed.extend(items := list(items)),
+                                                                      real_map(pool, fn, items))[1])
     outs = [np.zeros_like(p) for p in payloads]
     assert all(h is not None for h in t.get(keys, layout, outs)) and handed == []
     assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))

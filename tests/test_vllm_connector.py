@@ -191,6 +191,77 @@ def test_two_engines_share_pages_through_redis(model, redis_node):
         assert stats["tiers"]["redis"]["hits"] == 9
 
 
+def test_a_same_host_server_stalled_mid_load_changes_no_page_the_engine_is_served(model, monkeypatch):
+    """The default same-host setup (Unix socket, the server copying into lmkv's shared memory arena):
+    a prompt's pages live only in the server, which is paused (SIGSTOP) just as the engine's load of
+    them goes out. The load times out and is recomputed; new prompts are stored while the server is
+    paused; when it resumes it finishes the old load's copies. No page lmkv serves afterwards fails
+    its checksum, and prompts served from lmkv's memory give a cold run's tokens. (Without the
+    quarantine of the load's slots, the resumed server's copies land on the new prompts' pages.)"""
+    import os
+    import signal
+    import time
+
+    from lmkv.dev.server_process import spawn
+    from lmkv.engine.stores import live_stores
+    from lmkv.page import verify_payload
+    from lmkv.tiers.server_client import ServerTier
+
+    a, b = prompt(650, seed=31), prompt(650, seed=32)
+    with spawn("--memory", "256MiB") as server:
+        # 64 pages of memory in front of the server; 20 pages a prompt. (Failed pages are offered
+        # again at once: a's recomputed pages are served from memory below.)
+        cfg = {"memory": {"capacity": "4MiB"}, "remote": {"url": server.url, "timeout": 1.0},
+               "quarantine_seconds": 0}
+        with engine(model, lmkv=cfg) as e:
+            (store,) = live_stores().values()
+            expected = cold(e, [a, b], tag="stall")
+            generate(e, [a])
+            for i in range(3):  # a's pages leave memory: the server alone holds them
+                generate(e, [prompt(650, seed=40 + i)])
+            store.drain()
+            assert e.reset_prefix_cache()
+            real_read = ServerTier._read
+            paused: list[float] = []
+
+            def read(self, *args, **kw):
+                if not paused:
+                    paused.append(time.monotonic())
+                    os.kill(server.proc.pid, signal.SIGSTOP)
+                return real_read(self, *args, **kw)
+
+            monkeypatch.setattr(ServerTier, "_read", read)
+            try:
+                failed = lmkv_stats(e)["transfers"]["failed_pages"]
+                assert generate(e, [a]) == expected[:1]  # its load times out: recomputed (and stored again)
+                assert paused and lmkv_stats(e)["transfers"]["failed_pages"] > failed
+                held = store.memory.quarantine.held
+                assert held > 0
+                generate(e, [b])  # stored while the server is paused
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            monkeypatch.undo()
+            deadline = time.monotonic() + 30
+            while store.memory.quarantine.held and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert store.memory.quarantine.held == 0 and lmkv_stats(e)["tiers"]["memory"]["reclaimed"] >= held
+            layout = _kv_layout()
+            with store.memory.borrow(store.memory.keys(), count=False) as lease:
+                for h, v in zip(lease.headers, lease.views):
+                    verify_payload(h, layout, v)  # raises on a page the resumed server wrote over
+            assert e.reset_prefix_cache()
+            before = loaded(e)
+            assert generate(e, [a, b]) == expected  # from lmkv's memory
+            assert loaded(e) - before == 40
+
+
+def _kv_layout():
+    """The page layout lmkv uses for the one KV cache group of the engine in this process."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().groups[0]
+
+
 def test_engine_starts_and_serves_while_the_server_is_down(model):
     """No server at the configured address: the engine starts and serves correct tokens from
     its own memory, lmkv counts the unreachable tier; once the server is up, lmkv reconnects by

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from lmkv.config import load_config
@@ -20,12 +21,12 @@ CHAINS = [bytes([i + 1]) * 16 for i in range(4)]
 BLOCK_IDS = [6, 1, 4, 2]
 
 
-def _setup():
+def _setup(verify: bool = False):
     layout = attention_layout("attn", LAYERS, TOKENS, 2, 64, 2, "bfloat16")
     names = {f"l{i}": (0, i) for i in range(LAYERS)}
     gen = torch.Generator().manual_seed(3)
     full = [torch.randn(BLOCKS, 2, TOKENS, 128, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
-    store = TieredStore(load_config({"memory": {"capacity": "16MiB"}}, environ={}))
+    store = TieredStore(load_config({"memory": {"capacity": "16MiB", "verify_checksums": verify}}, environ={}))
     op = PageOp("r", 0, CHAINS, BLOCK_IDS, list(range(4)))
     w = LayerwiseTransfer(store, [layout], [full], names)
     w.begin(StepPlan(stores=[op]))
@@ -60,6 +61,43 @@ def test_a_layer_the_forward_did_not_wait_for_is_recomputed():
             w.before_layer(name)
         w.end()
         assert w.take_errors() == set(BLOCK_IDS)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("path", ["layerwise", "asynchronous", "fetch"])
+def test_verify_checksums_turns_a_corrupted_memory_page_into_a_miss_on_every_load_path(path, verify):
+    """``memory.verify_checksums``: a byte flipped in a memory page the engine is about to load makes
+    that page a miss (its block recomputed, the page dropped) on the layerwise path, the asynchronous
+    one and a plain fetch. Off, the flipped byte reaches the engine's block (the check can fail)."""
+    store, w, op, full, empty, names = _setup(verify)
+    layout = w.groups[0]
+    with store:
+        keys = w.keys(op)
+        with store.memory.borrow(keys[1:2], count=False) as lease:
+            lease.views[0][100] ^= 0xFF  # page 1, in layer 0's K: block 1 of the op
+        if path == "layerwise":
+            w.begin(StepPlan(loads=[op]))
+            w.start_loads()
+            for name in names:
+                w.before_layer(name)
+            w.end()
+            bad = w.take_errors() == {BLOCK_IDS[1]}
+        elif path == "asynchronous":
+            w.begin(StepPlan(async_loads=[op]))
+            w.start_loads()
+            w.end()
+            store.drain()
+            done, failed = w.transfer_results()
+            assert done == {"r"}
+            bad = failed == {"r"}
+        else:
+            with store.fetch(keys, layout) as f:
+                bad = f.views[1] is None and all(v is not None for i, v in enumerate(f.views) if i != 1)
+        assert bad == verify
+        assert (store.memory.contains(keys[1:2]) == [False]) == verify  # dropped, never served again
+        assert store.memory.stats.corrupt == int(verify)
+        if path == "layerwise" and not verify:
+            assert not torch.equal(empty[0][BLOCK_IDS[1]], full[0][BLOCK_IDS[1]])  # the flip reached the block
 
 
 def test_rescued_blocks_are_copied_before_the_forward_writes_them():

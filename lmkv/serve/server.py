@@ -37,6 +37,8 @@ import ssl
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import xxhash
@@ -101,7 +103,13 @@ def _check_keys(keys: list[bytes]) -> None:
 
 
 class Client:
-    """One connected client: its namespace, its shared-memory window, its requests."""
+    """One connected client: its namespace, its shared-memory window, its requests.
+
+    Served by one thread (:meth:`serve`), which alone copies into and out of the client's shared
+    memory and closes the connection. A client that gave up on a request learns that the copies
+    have stopped from the connection's end (:meth:`lmkv.tiers.server_client.ServerTier._reap`), so
+    anyone else who ends it (:meth:`Server.stop`) first revokes the copies (:meth:`revoke`).
+    """
 
     def __init__(self, server: Server, sock: socket.socket, peer: str, origin: str, pending_key: int,
                  unix_uid: int | None = None, local: bool = False) -> None:
@@ -122,6 +130,23 @@ class Client:
         self.window: np.ndarray | None = None  # the connection's staging window
         self.arena: np.ndarray | None = None  # the client's memory-tier arena
         self._maps: list[mmap.mmap] = []
+        #: held around every copy into or out of the client's shared memory; ``revoked`` under it
+        self._copying = threading.Lock()
+        self._revoked = False
+
+    def revoke(self) -> None:
+        """From another thread: no copy into or out of the client's shared memory starts after this
+        returns, and none is running (the connection may then be ended)."""
+        with self._copying:
+            self._revoked = True
+
+    @contextmanager
+    def _shared(self) -> Iterator[None]:
+        """Around copies into or out of shared memory: refuses the request once revoked."""
+        with self._copying:
+            if self._revoked:
+                raise _Fatal("the server is stopping")
+            yield
 
     # -- helpers ---------------------------------------------------------------
 
@@ -341,10 +366,11 @@ class Client:
             counters.get_bytes += len(found) * per_page
             if dst is not None:
                 mem, offsets = dst
-                for i, v in found:
-                    base = offsets[i]
-                    for a, b in ranges:
-                        mem[base + a : base + b] = v[a:b]
+                with self._shared():
+                    for i, v in found:
+                        base = offsets[i]
+                        for a, b in ranges:
+                            mem[base + a : base + b] = v[a:b]
                 self.reply(GetReply(headers))
                 return
             if len(found) * per_page > max_bulk:
@@ -400,13 +426,14 @@ class Client:
         # (the connection with it) instead of holding room for the idle timeout.
         deadline = time.monotonic() + self.server.cfg.server.payload_timeout
         with session:
-            for i, h in enumerate(headers):
-                dst = session.buffer(i)
-                if src is not None:
-                    mem, offsets = src
-                    dst[:] = mem[offsets[i] : offsets[i] + h.payload_len]
-                else:
-                    recv_exact(self.sock, memoryview(dst), deadline)
+            if src is not None:
+                mem, offsets = src
+                with self._shared():
+                    for i, h in enumerate(headers):
+                        session.buffer(i)[:] = mem[offsets[i] : offsets[i] + h.payload_len]
+            else:
+                for i in range(len(headers)):
+                    recv_exact(self.sock, memoryview(session.buffer(i)), deadline)
             stored = session.commit(inner)
         self.sock.settimeout(self.server.cfg.server.idle_timeout)
         counters = self.counters
@@ -648,6 +675,7 @@ class Server:
         with self._lock:
             clients = list(self._clients)
         for c in clients:
+            c.revoke()  # (its client takes the connection's end to mean its memory is no longer touched)
             try:
                 c.sock.shutdown(socket.SHUT_RDWR)
             except OSError:

@@ -41,6 +41,8 @@ class TierStats:
     corrupt: int = 0
     errors: int = 0
     full: int = 0
+    quarantined: int = 0
+    reclaimed: int = 0
 
 
 class ResidencyListener(Protocol):
@@ -157,6 +159,11 @@ class Tier(ABC):
     @property
     @abstractmethod
     def capacity_bytes(self) -> int: ...
+
+    @property
+    def quarantined_bytes(self) -> int:
+        """Bytes held back from reuse for writers that may still finish late (:mod:`lmkv.tiers.quarantine`)."""
+        return 0
 
     @abstractmethod
     def __len__(self) -> int: ...

@@ -30,6 +30,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ from lmkv.tiers import gds
 from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import LocalTier, Range, ReadsInPlace, WriteSession
 from lmkv.tiers.eviction import EvictionPolicy, make_policy
+from lmkv.tiers.quarantine import settled_map
 
 log = logging.getLogger(__name__)
 
@@ -627,10 +629,14 @@ class DiskTier(LocalTier, ReadsInPlace):
             parts = max(1, min(INLINE_RUNS, len(keys) // MIN_RUN_PAGES))
             cuts = [len(keys) * j // parts for j in range(parts + 1)]
             others = [self._io.submit(run, cuts[j], cuts[j + 1]) for j in range(1, parts)]
-            results = run(cuts[0], cuts[1]) + [r for f in others for r in f.result()]
+            try:
+                here = run(cuts[0], cuts[1])
+            finally:  # (a failure here must not return while the others still read into ``outs``)
+                futures.wait(others)
+            results = here + [r for f in others for r in f.result()]
         todo = [i for i, r in enumerate(results) if r is _WOULD_BLOCK]
         if todo:
-            for i, r in zip(todo, self._io.map(lambda i: self._read(keys[i], layout, outs[i]), todo)):
+            for i, r in zip(todo, settled_map(self._io, lambda i: self._read(keys[i], layout, outs[i]), todo)):
                 results[i] = r
         return [None if r is _WOULD_BLOCK else r for r in results]  # (none is left)
 
@@ -662,7 +668,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         depth); a single page in this thread."""
         if len(keys) < 2:
             return [self._read(k, layout, o, ranges) for k, o in zip(keys, outs)]
-        return list(self._io.map(lambda i: self._read(keys[i], layout, outs[i], ranges), range(len(keys))))
+        return settled_map(self._io, lambda i: self._read(keys[i], layout, outs[i], ranges), range(len(keys)))
 
     def get_device(self, keys: Sequence[PageKey], layout: GroupLayout,
                    outs: Sequence[gds.DeviceBuffer]) -> list[PageHeader | None]:
@@ -693,7 +699,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             raise ValueError(f"disk tier {self.root}: a page in device memory, and GPUDirect Storage is not in use")
         if len(pages) < 2:
             return [self._put_one(header, payload, domain) for header, payload in pages]
-        return list(self._io.map(lambda hp: self._put_one(hp[0], hp[1], domain), pages))
+        return settled_map(self._io, lambda hp: self._put_one(hp[0], hp[1], domain), pages)
 
     def _put_one(self, header: PageHeader, payload, domain: str) -> bool:
         size = header.disk_bytes

@@ -57,7 +57,7 @@ def open_tiers(cfg: LMKVConfig, on_evict: EvictHook | None = None, lower: Sequen
     share = remote is not None and remote.wants_arena
     memory = MemoryTier(cfg.memory, on_evict=on_evict, shared=share, accounts=accounts.get("memory"))
     if remote is not None and share and memory.arena_window is not None:
-        remote.share_arena(memory.arena_window)
+        remote.share_arena(memory.arena_window, memory.quarantine)
     below: list[Tier] = [DiskTier(cfg.disk, accounts=accounts.get("disk"))] if cfg.disk.path else []
     below.extend(lower)
     if remote is not None:

@@ -27,6 +27,7 @@ from lmkv.tiers.allocator import SlabAllocator
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import LocalTier, Range, ResidencyListener, WriteSession
 from lmkv.tiers.eviction import EvictionPolicy, make_policy
+from lmkv.tiers.quarantine import Quarantine
 
 #: called with (header, payload view, owning domains) of each evicted page, before its slot is reused
 EvictHook = Callable[[list[tuple[PageHeader, np.ndarray, list[str]]]], None]
@@ -46,6 +47,7 @@ class Lease:
     """Zero-copy views of resident pages, pinned until :meth:`release`."""
 
     def __init__(self, tier: MemoryTier, entries: list[_Entry | None]) -> None:
+        """``entries``: pinned pages (``None`` for a key the tier does not hold)."""
         self._tier = tier
         self._entries = entries
         self.headers = [e.header if e else None for e in entries]
@@ -76,8 +78,12 @@ class MemoryTier(LocalTier):
     engine load reads them zero-copy), so a page that is evicted, deleted or found corrupt
     while pinned leaves the index at once (no new reader finds it) but keeps its slot: the
     slot is freed at its last unpin (``_Entry.deleted``). The invariant is that a slot is in
-    the allocator's free lists only when no index entry and no pin refer to it, so an
-    eviction can never hand a slot to a writer while a copy still reads it.
+    the allocator's free lists only when no index entry, no pin and no writer that may still
+    finish late (:attr:`quarantine`) refer to it, so neither an eviction nor an abandoned
+    request can hand a slot to a writer while a copy still reads or writes it.
+
+    Thread-safe: the engine's threads, the store's I/O threads and a same-host server's late
+    replies (through the quarantine) all go through one lock.
     """
 
     def __init__(self, cfg: MemoryConfig, name: str = "memory", on_evict: EvictHook | None = None,
@@ -101,6 +107,9 @@ class MemoryTier(LocalTier):
         self._domains = DomainRegistry(self._accounts.account_of)
         self._lock = threading.Lock()
         self._used = 0
+        limit = cfg.quarantine_limit if cfg.quarantine_limit is not None else int(cfg.capacity) // 4
+        #: slots lent to writers that were given up on and may still write (a stalled same-host server)
+        self.quarantine = Quarantine(self._lock, self._free_slot, int(limit), self.stats)
 
     # -- space -------------------------------------------------------------
 
@@ -180,6 +189,12 @@ class MemoryTier(LocalTier):
                 self._release_slot(victim.offset, victim.header.payload_len, victim.account)
 
     def _release_slot(self, offset: int, nbytes: int, account: str) -> None:
+        """Under the lock: a slot nobody refers to goes back to the allocator, unless a writer that
+        was given up on may still touch it (then when that writer's fate is known)."""
+        if not self.quarantine.defer(offset, nbytes, account):
+            self._free_slot(offset, nbytes, account)
+
+    def _free_slot(self, offset: int, nbytes: int, account: str) -> None:
         self._alloc.free(offset, nbytes)
         self._used -= nbytes
         self._accounts.refund(account, nbytes)
@@ -248,20 +263,38 @@ class MemoryTier(LocalTier):
     def capacity_bytes(self) -> int:
         return int(self.cfg.capacity)
 
+    @property
+    def quarantined_bytes(self) -> int:
+        return self.quarantine.held_bytes
+
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         with self._lock:
             return [k in self._index for k in keys]
 
-    def borrow(self, keys: Sequence[PageKey], count: bool = True) -> Lease:
+    def borrow(self, keys: Sequence[PageKey], count: bool = True, layout: GroupLayout | None = None) -> Lease:
         """Pin pages and return zero-copy views; release the lease when the copies are done.
 
         A counted borrow is a read (hits, misses, bytes); lmkv's own copies between tiers pass
-        ``count=False``.
+        ``count=False``. ``layout``: the pages are lent to an engine load; with
+        ``memory.verify_checksums`` each one is verified first, and one that fails is dropped
+        and lent as missing (the engine recomputes it).
         """
         entries = self._pin(keys, count)
+        if layout is not None and self.verifies:
+            entries = [self._verified(e, layout) if e is not None else None for e in entries]
         if count:
             self.stats.get_bytes += sum(e.header.payload_len for e in entries if e is not None)
         return Lease(self, entries)
+
+    def _verified(self, e: _Entry, layout: GroupLayout) -> _Entry | None:
+        """A pinned page if its payload passes its checksums; else it is dropped and unpinned."""
+        try:
+            verify_payload(e.header, layout, self._view(e))
+        except PageError:
+            self._discard_corrupt(e)
+            self._unpin([e])
+            return None
+        return e
 
     def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
         entries = self._pin(keys)

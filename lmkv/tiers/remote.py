@@ -144,8 +144,9 @@ class RemoteTier(Tier):
         """Whether the store should give this tier its memory arena to write into (lmkv server, same host)."""
         return False
 
-    def share_arena(self, window) -> None:
-        """Let the backend write pages straight into the memory tier's arena (see ``wants_arena``)."""
+    def share_arena(self, window, quarantine) -> None:
+        """Let the backend write pages straight into the memory tier's arena (see ``wants_arena``);
+        slots lent to a request given up on wait in ``quarantine`` (:mod:`lmkv.tiers.quarantine`)."""
 
     def __init__(self, name: str, cfg: RemoteConfig) -> None:
         super().__init__(name)

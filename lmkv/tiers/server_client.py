@@ -12,14 +12,22 @@ peer is the process that answered on the TCP port. A connection that fails is
 dropped; the next call opens a fresh one, so a restarted server is picked up without
 the engine noticing more than a few misses. A server that refuses HELLO (a wrong
 token, too many clients) is a tier that is down, not an error the engine sees.
+
+A same-host server writes into arena slots the client names, on its own time: a request given
+up on (a timeout) may still be copied into them later. Such a connection is not closed but
+reaped (:meth:`ServerTier._reap`), its unanswered requests' slots held in the memory tier's
+quarantine (:mod:`lmkv.tiers.quarantine`) until the server is known to be done with them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
 import socket
 import ssl
 import threading
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -62,6 +70,7 @@ from lmkv.serve.protocol import (
     recv_exact,
 )
 from lmkv.tiers.base import Range
+from lmkv.tiers.quarantine import Quarantine
 from lmkv.tiers.remote import Checked, RemoteTier
 
 log = logging.getLogger(__name__)
@@ -82,7 +91,11 @@ class UnixEndpoint:
 
 
 class Connection:
-    """One authenticated connection, with its staging window and the shared arena on the server's host."""
+    """One authenticated connection, with its staging window and the shared arena on the server's host.
+
+    Used by one thread at a time (the tier's pool hands it out). Every request sent is remembered
+    with the arena slots it lends the server until its reply has been read (:attr:`lent`).
+    """
 
     def __init__(self, cfg: RemoteConfig, host: str, port: int, tls: bool, namespace: str,
                  arena: shm_window.Window | None = None, unix: UnixEndpoint | None = None) -> None:
@@ -91,6 +104,9 @@ class Connection:
         self.arena = False  # whether the server mapped the shared arena
         self.unix: UnixEndpoint | None = None  # where the server takes same-host connections
         self.via_unix = unix  # the socket this connection went over (None: TCP)
+        self.pidfd: int | None = None  # the server process, on its host: readable once it has exited
+        #: per request sent and not answered yet, the arena ranges (offset, bytes) it lent the server
+        self._unanswered: deque[list[tuple[int, int]]] = deque()
         self._win: shm_window.Window | None = None
         sock = _open(cfg, host, port, tls, unix)
         try:
@@ -121,13 +137,26 @@ class Connection:
             elif self._win is not None:
                 self._win.close()
                 self._win = None
+            if unix is not None and self.arena:
+                try:
+                    self.pidfd = os.pidfd_open(unix.pid)
+                except OSError:  # (gone already, or no pidfds here: its replies and hang-up still tell)
+                    self.pidfd = None
         except BaseException:
             sock.close()
             if self._win is not None:
                 self._win.close()
             raise
 
-    def send(self, op: Op, meta, bulks: Sequence = ()) -> None:
+    @property
+    def lent(self) -> list[tuple[int, int]]:
+        """The arena ranges lent to requests whose replies have not been read."""
+        return [r for ranges in self._unanswered for r in ranges]
+
+    def send(self, op: Op, meta, bulks: Sequence = (), lent: Sequence[tuple[int, int]] = ()) -> None:
+        """A request; ``lent``: the arena ranges ``(offset, bytes)`` it names for the server to copy
+        into or out of (a GET's ``dst``, a PUT's ``src``)."""
+        self._unanswered.append(list(lent))
         views = [as_bytes_view(b) for b in bulks]
         self.sock.sendall(frame(op, encode(meta), sum(len(v) for v in views)))
         for v in views:
@@ -136,12 +165,13 @@ class Connection:
     def reply(self, typ: type):
         """(reply, bulk length left on the socket); an error reply raises RemoteError."""
         status, meta, bulk = read_frame(self.sock, self.max_bulk)
+        self._unanswered.popleft()  # (the server answers in order, after its copies)
         if status != 0:
             raise RemoteError(decode_reply(meta, ErrorReply).error)
         return decode_reply(meta, typ), bulk
 
-    def call(self, op: Op, meta, typ: type, bulks: Sequence = ()):
-        self.send(op, meta, bulks)
+    def call(self, op: Op, meta, typ: type, bulks: Sequence = (), lent: Sequence[tuple[int, int]] = ()):
+        self.send(op, meta, bulks, lent)
         rep, bulk = self.reply(typ)
         if bulk:
             raise ProtocolError(f"unexpected {bulk}-byte bulk in a {op.name} reply")
@@ -155,6 +185,9 @@ class Connection:
             pass
         if self._win is not None:
             self._win.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def _open(cfg: RemoteConfig, host: str, port: int, tls: bool, unix: UnixEndpoint | None) -> socket.socket:
@@ -205,15 +238,20 @@ class ServerTier(RemoteTier):
         self._slots = threading.BoundedSemaphore(cfg.max_connections)
         self._layouts: dict[int, LayoutMsg] = {}
         self._arena: shm_window.Window | None = None
+        self._quarantine: Quarantine | None = None  # where slots lent to an abandoned request wait
         self._unix: UnixEndpoint | None = None  # learned from a TCP HELLO; forgotten when it fails
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"lmkv-{name}-verify")
+        self._closing = threading.Event()
 
     @property
     def wants_arena(self) -> bool:
         return self.cfg.shm == "auto" and is_loopback(self.host)
 
-    def share_arena(self, window: shm_window.Window) -> None:
+    def share_arena(self, window: shm_window.Window, quarantine: Quarantine) -> None:
+        """The server copies pages straight into ``window`` (the memory tier's arena); slots lent to a
+        request this client gives up on wait in ``quarantine`` until the server is done with them."""
         self._arena = window
+        self._quarantine = quarantine
 
     @contextmanager
     def _conn(self):
@@ -231,12 +269,12 @@ class ServerTier(RemoteTier):
             raise  # the server refused this request; the connection is fine
         except (OSError, ProtocolError) as err:
             if conn is not None:
-                conn.close()
+                self._drop(conn)
                 conn = None
             raise TierUnavailableError(f"{self.name} {self.host}:{self.port}: {err}") from err
         except BaseException:
             if conn is not None:  # mid-request: the stream may be out of step
-                conn.close()
+                self._drop(conn)
                 conn = None
             raise
         finally:
@@ -246,6 +284,51 @@ class ServerTier(RemoteTier):
                 with self._lock:
                     self._idle.append(conn)
             self._slots.release()
+
+    def _drop(self, conn: Connection) -> None:
+        """A connection given up on mid-request: closed, unless the server may still copy into arena
+        slots one of its unanswered requests lent it. Those are quarantined and the connection is
+        reaped in the background (:meth:`_reap`): closing it would not stop a server that is merely
+        stalled (a paused process, a swap storm), which would copy into the slots once it resumes."""
+        lent = conn.lent
+        if not lent or self._quarantine is None:
+            conn.close()
+            return
+        fate: Future = Future()
+        self._quarantine.hold(lent, fate)
+        log.warning("lmkv: %s: gave up on a request whose %d pages the server may still copy into memory; "
+                    "holding their slots until it is done", self.name, len(lent))
+        threading.Thread(target=self._reap, args=(conn, fate), daemon=True, name=f"lmkv-{self.name}-reap").start()
+
+    def _reap(self, conn: Connection, fate: Future) -> None:
+        """Wait until the server can no longer copy into what ``conn``'s requests lent it, then settle
+        ``fate``. This side stops sending (``SHUT_WR``): the server's thread for the connection answers
+        what it was sent, reads the end and closes, and a server closes a connection only once its
+        copies into that client's memory have stopped; so the connection's end means done, as does
+        the server process's exit. A server that never returns keeps the slots held."""
+        try:
+            try:
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # (already broken: the reads below see its end)
+            watched: list = [conn.sock] + ([conn.pidfd] if conn.pidfd is not None else [])
+            scratch = bytearray(1 << 16)
+            conn.sock.settimeout(None)
+            while not self._closing.is_set():
+                ready = select.select(watched, [], [], 1.0)[0]
+                if conn.pidfd is not None and conn.pidfd in ready:
+                    break  # the server process is gone
+                if conn.sock in ready:
+                    try:
+                        if conn.sock.recv_into(scratch) == 0:
+                            break  # the server closed the connection: its copies have stopped
+                    except OSError:
+                        break  # reset by the server (or its exit)
+            else:
+                return  # the tier is closing: the slots stay held (the arena goes with the process)
+            fate.set_result(None)
+        finally:
+            conn.close()
 
     def _connect(self) -> Connection:
         """A new connection: over the server's Unix socket when it is on this host (shared memory),
@@ -296,8 +379,9 @@ class ServerTier(RemoteTier):
         return out
 
     def _arena_offsets(self, c: Connection, bufs: Sequence) -> list[int] | None:
-        """Offsets of every buffer in the shared arena, if the server mapped it and all lie inside."""
-        if not c.arena or self._arena is None:
+        """Offsets of every buffer in the shared arena, if the server mapped it and all lie inside,
+        unless the quarantine is full (then slots are not lent to the server: it may stall again)."""
+        if not c.arena or self._arena is None or self._quarantine is None or self._quarantine.full:
             return None
         offsets = [shm_window.offset_in(self._arena.buf, b) for b in bufs]
         return None if any(o is None for o in offsets) else offsets  # type: ignore[return-value]
@@ -324,7 +408,8 @@ class ServerTier(RemoteTier):
         starts = list(range(0, len(keys), step))
 
         def ask(i: int) -> None:
-            c.send(Op.GET, Get(list[bytes](keys[i : i + step]), msg, wire_ranges, dst=dst[i : i + step]))
+            c.send(Op.GET, Get(list[bytes](keys[i : i + step]), msg, wire_ranges, dst=dst[i : i + step]),
+                   lent=[(o, layout.payload_bytes) for o in dst[i : i + step]])
 
         results: list = []
         sent = 0
@@ -417,7 +502,8 @@ class ServerTier(RemoteTier):
             if src is not None:  # the server copies straight from the caller's arena slots
                 for i in range(0, len(pages), MAX_KEYS):
                     headers = [h.pack() for h, _ in pages[i : i + MAX_KEYS]]
-                    out += c.call(Op.PUT, Put(headers, domain, src=src[i : i + MAX_KEYS]), Stored).stored
+                    lent = [(o, len(v)) for o, (_, v) in zip(src[i : i + MAX_KEYS], pages[i : i + MAX_KEYS])]
+                    out += c.call(Op.PUT, Put(headers, domain, src=src[i : i + MAX_KEYS]), Stored, lent=lent).stored
                 return out
             limit = len(c.window) if c.window is not None else c.max_bulk
             i = 0
@@ -472,6 +558,7 @@ class ServerTier(RemoteTier):
 
     def close(self) -> None:
         super().close()
+        self._closing.set()
         self._verifier.shutdown(wait=False)
         with self._lock:
             idle, self._idle = self._idle, []
