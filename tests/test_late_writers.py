@@ -263,3 +263,56 @@ def test_a_gds_fetch_hands_back_no_staging_slot_a_read_is_still_filling(tmp_path
         time.sleep(0.5)  # a read still running would land now
         assert all((staging.page(p, layout.payload_bytes) == 0xAB).all() for p in slots.ptrs)
         slots.release()
+
+
+def test_a_server_that_ends_a_connection_has_stopped_copying_into_its_memory(layout):
+    """The client takes a connection's end to mean the server no longer touches its memory: a
+    server stopping while a GET into a client's arena is still reading its pages revokes the copy
+    before it ends the connection, so the arena is left as it was."""
+    import threading
+
+    from lmkv.config import RemoteConfig
+    from lmkv.errors import TierUnavailableError
+    from lmkv.serve import shm_window
+    from lmkv.serve.server import Server
+    from lmkv.tiers.base import TierStats
+    from lmkv.tiers.quarantine import Quarantine
+
+    srv = Server(load_config({"server": {"port": 0}, "memory": {"capacity": "64MiB"}}, environ={}))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    tier = ServerTier(RemoteConfig(url=f"lmkv://127.0.0.1:{srv.port}", timeout=10))
+    arena = shm_window.create(4 << 20, "test-arena")
+    settled: list = []
+    quarantine = Quarantine(threading.Lock(), lambda *a: None, 4 << 20, TierStats())
+    tier.share_arena(arena, quarantine)
+    keys, _, pages = make_pages(layout, 2)
+    assert tier.put(pages, "engine") == [True, True]
+    real_fetch, go, reading = srv.store.fetch, threading.Event(), threading.Event()
+
+    def slow_fetch(*a, **kw):
+        reading.set()
+        go.wait(10)
+        return real_fetch(*a, **kw)
+
+    srv.store.fetch = slow_fetch
+    outs = [arena.buf[i * layout.payload_bytes : (i + 1) * layout.payload_bytes] for i in range(2)]
+    def read() -> None:
+        try:
+            settled.append(tier.get(keys, layout, outs))
+        except TierUnavailableError:  # the server went away mid-request
+            settled.append(None)
+
+    get = threading.Thread(target=read)
+    get.start()
+    assert reading.wait(10)
+    stopping = threading.Thread(target=srv.stop)
+    stopping.start()
+    time.sleep(0.5)  # (stop() ends the connections meanwhile)
+    go.set()
+    get.join(10)
+    stopping.join(10)
+    time.sleep(0.3)
+    assert not arena.buf[: 2 * layout.payload_bytes].any()  # the copy never ran
+    assert settled in ([[None, None]], [None])  # a miss
+    assert _wait(lambda: quarantine.held == 0)  # the connection's end let the slots go
+    tier.close()

@@ -367,9 +367,12 @@ def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
         assert generate(e, [p]) != expected
 
 
-def test_outputs_depend_on_the_restored_bytes(model):
-    """The checks above can fail: scrambled KV pages (checksums off in memory) change the tokens."""
-    with engine(model, lmkv={"memory": {"capacity": "256MiB", "verify_checksums": False}}) as e:
+@pytest.mark.parametrize("verify", [False, True])
+def test_outputs_depend_on_the_restored_bytes(model, verify):
+    """The checks above can fail: scrambled KV pages change the tokens, with checksums off in
+    memory. With ``memory.verify_checksums`` the scrambled pages the engine is about to load are
+    misses instead: recomputed, the cold tokens, the pages dropped."""
+    with engine(model, lmkv={"memory": {"capacity": "256MiB", "verify_checksums": verify}}) as e:
         p = prompt(300, seed=30)
         expected = generate(e, [p])
         from lmkv.engine.stores import live_stores
@@ -380,8 +383,12 @@ def test_outputs_depend_on_the_restored_bytes(model):
                 v[:] = v[::-1].copy()
         assert e.reset_prefix_cache()
         before = loaded(e)
-        assert generate(e, [p]) != expected
-        assert loaded(e) - before == 9
+        if verify:
+            assert generate(e, [p]) == expected
+            assert loaded(e) == before and lmkv_stats(e)["tiers"]["memory"]["corrupt"] == 9
+        else:
+            assert generate(e, [p]) != expected
+            assert loaded(e) - before == 9
 
 
 def test_kv_events_reach_a_router_over_vllms_zmq_publisher(model, tmp_path):

@@ -385,6 +385,58 @@ def test_failed_asynchronous_load_recomputes_the_request_and_quarantines(model_c
         h.close()
 
 
+def test_blocks_of_a_request_aborted_mid_load_go_to_no_one_until_its_load_returned(model_config, tmp_path):
+    """An asynchronous load still copying into a request's blocks when the request is aborted (a
+    background writer that finishes late): vLLM keeps the blocks until the worker reports the load,
+    and the worker reports it only once its thread returned, so no other request is given a block the
+    load may still write; the request that gets them afterwards holds its own KV."""
+    import threading
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    lmkv = {"memory": {"capacity": "64MiB"}, "load_mode": "async", "disk": {"path": str(tmp_path)}}
+    h = Harness(model_config, lmkv, num_blocks=16)
+    try:
+        a = h.request("a", tokens(100, 11))
+        h.run(a)
+        store = next(iter(live_stores().values()))
+        store.drain()
+        store.memory.delete(store.memory.keys())  # the disk tier alone holds a's pages
+        disk = store.tiers[1]
+        real_get_units = disk.get_units
+        reading = threading.Event()
+
+        def slow_get_units(*args, **kw):  # a slow device: the load outlives its request
+            reading.set()
+            time.sleep(1.0)
+            return real_get_units(*args, **kw)
+
+        disk.get_units = slow_get_units
+        assert h.sched.reset_prefix_cache()
+        b = h.request("b", tokens(100, 11))
+        h.sched.add_request(b)
+        h.step()
+        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS and reading.wait(5)
+        (held,) = h.sched.kv_cache_manager.get_block_ids("b")
+        h.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+        load = h.worker.worker._async["b"]
+        c = h.request("c", tokens(200, 12), max_tokens=2)  # 13 blocks: more than are free while b's are held
+        h.sched.add_request(c)
+        deadline = time.time() + 30
+        while not c.is_finished() and time.time() < deadline:
+            running = not load.done()
+            h.step()
+            if running and "c" in h.sched.requests:
+                (given,) = h.sched.kv_cache_manager.get_block_ids("c")
+                assert not set(given) & set(held), "a block the aborted request's load may still write"
+        assert load.done() and c.is_finished()
+        h.check_kv(c, 201)
+        assert set(h.blocks["c"]) & set(held)  # (they went to c once the load returned)
+    finally:
+        h.close()
+
+
 def test_kv_events_follow_what_lmkv_holds(model_config, tmp_path):
     """Events for routers say what is: a page is reported stored (medium CPU: lmkv's memory) once
     the worker committed it, never when a store is only planned; when memory evicts it, it is

@@ -253,3 +253,42 @@ def test_copy_streams_start_a_store_after_its_layer_computed_and_follow_the_last
             assert log.items.index(("gather", i, "step")) > 1
         w.end()
         assert w.stats.totals.stored_pages == 4
+
+
+def test_copy_streams_hand_host_pages_back_only_once_the_stream_that_copies_them_is_done(monkeypatch):
+    """Copies queued on the step stream read the fetched pages and write the step's store pages: those
+    go back to the memory tier (where another page may take their slots) only after that stream is
+    synchronized, at a step's end and when a step that never reached its end (the forward raised) is
+    cleaned up by the next one."""
+    from lmkv.store import StoreSession
+    from lmkv.tiers.memory import Lease
+
+    store, w, op, full, empty, names = _setup()
+    with store:
+        log = _logged(w)
+        real_release, real_abort, real_commit = Lease.release, StoreSession.abort, StoreSession.commit
+        monkeypatch.setattr(Lease, "release", lambda self: (log.items.append(("release",)), real_release(self)))
+        monkeypatch.setattr(StoreSession, "abort", lambda self: (log.items.append(("abort",)), real_abort(self)))
+        monkeypatch.setattr(StoreSession, "commit", lambda self, *a, **kw: (log.items.append(("commit",)),
+                                                                           real_commit(self, *a, **kw))[1])
+        stores = PageOp("r", 0, [bytes([9, i]) * 8 for i in range(2)], [3, 5], [])
+        for finished in (True, False):
+            log.items.clear()
+            w.begin(StepPlan(loads=[op], stores=[stores]))
+            w.start_loads()
+            w.before_layer("l0")
+            w.after_layer("l0")  # ... and the forward raises here when the step is not finished
+            log.items.clear()
+            if finished:
+                for name in list(names)[1:]:
+                    w.before_layer(name)
+                    w.after_layer(name)
+                log.items.clear()
+                w.end()
+            else:
+                w.begin(StepPlan())  # the next step cleans the last one up
+            kinds = [x[0] for x in log.items]
+            handed_back = [i for i, k in enumerate(kinds) if k in ("release", "abort", "commit")]
+            assert handed_back and ("sync", "step") in log.items
+            assert log.items.index(("sync", "step")) < min(handed_back), log.items
+            assert ("abort" in kinds) != finished and ("commit" in kinds) == finished
