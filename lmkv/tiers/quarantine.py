@@ -36,7 +36,10 @@ Each asynchronous writer and the rule it follows:
   stream that queued it is synchronized, at the step's end or when a step that never ended is
   cleaned up.
 - **Network tiers that copy on the caller's thread** (Redis, the server over TCP) have no late
-  writer: a read's bytes are received into the caller's buffer by the caller.
+  writer: a read's bytes are received into the caller's buffer by the caller. Redis *writes* run
+  on the tier's event loop and are cancelled at their deadline; only a loop stuck past it could
+  read a page's slot after its lease ended, and the page it stored would then fail its checksums
+  on every read (a miss), since pages read over the network are always verified (``remote.verify``).
 """
 
 from __future__ import annotations
