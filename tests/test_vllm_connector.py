@@ -228,6 +228,8 @@ def test_a_same_host_server_stalled_mid_load_changes_no_page_the_engine_is_serve
                 if not paused:
                     paused.append(time.monotonic())
                     os.kill(server.proc.pid, signal.SIGSTOP)
+                    while "T (stopped)" not in open(f"/proc/{server.proc.pid}/status").read():
+                        time.sleep(0.001)  # (a stop takes effect after kill returns)
                 return real_read(self, *args, **kw)
 
             monkeypatch.setattr(ServerTier, "_read", read)
