@@ -37,6 +37,7 @@ from lmkv.config import ConfigError, LMKVConfig, load_config
 from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
 from lmkv.connectors.vllm_plugin import tell_parent
 from lmkv.connectors.vllm_pool import VllmFreeQueue
+from lmkv.connectors.vllm_state_boundaries import constructing_scheduler, split_at_boundaries
 from lmkv.engine.events import EventLog, PageEvent
 from lmkv.engine.plan import StepPlan
 from lmkv.engine.residency import ResidencyDelta, ResidencyLog, ResidencyMirror
@@ -46,6 +47,7 @@ from lmkv.engine.stores import acquire_store, find_store, live_stores, release_s
 from lmkv.engine.worker import LayerwiseTransfer
 from lmkv.errors import LMKVError
 from lmkv.keys import ChainHash, EngineBlockKey, page_key
+from lmkv.layout import Growth
 from lmkv.lookup import locate
 from lmkv.metrics import TierDeltas
 from lmkv.store import TieredStore
@@ -197,6 +199,10 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._below: list = []  # the tiers under the workers' memory this side can ask (for events)
         self._block_info: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()  # hash -> (parent, tokens)
         self._blocks_seen: dict[str, int] = {}  # request -> its blocks recorded in _block_info
+        #: Mamba state: vLLM's scheduler is asked to end prefill steps at page boundaries (vllm_state_boundaries)
+        self._split_pending = role is KVConnectorRole.SCHEDULER and any(
+            g.growth is Growth.PER_SEQUENCE for g in self.groups)
+        self._vllm_scheduler: Any = None
         if role is KVConnectorRole.SCHEDULER:
             # Workers are built before the scheduler: if one lives in this process, share its store;
             # otherwise mirror the workers' memory from their step reports and see shared tiers directly.
@@ -238,14 +244,21 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
+        if self._split_pending:  # (the scheduler's own initialisation is over by its first request)
+            self._split_pending = False
+            split_at_boundaries(self._vllm_scheduler, self.tokens_per_page)
+            self._vllm_scheduler = None
         st = self.scheduler.track(request.request_id, _salt(request), _spans(request))
         self._requests[request.request_id] = request
         n = self.scheduler.lookup(st, request.all_token_ids, num_computed_tokens)
         return n, st.async_load and n > 0
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
-        """vLLM hands over its cache manager: lazy offload reads the block pool's free queue."""
+        """vLLM hands over its cache manager: lazy offload reads the block pool's free queue. (The
+        scheduler calls this: a model with Mamba state asks it to end prefill at page boundaries.)"""
         super().bind_kv_cache_manager(kv_cache_manager)
+        if self._split_pending:
+            self._vllm_scheduler = constructing_scheduler()
         if self.scheduler is None or self.scheduler.lazy is None:
             return
         if not getattr(kv_cache_manager, "enable_caching", True):

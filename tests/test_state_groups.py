@@ -53,8 +53,17 @@ def test_a_state_is_stored_only_when_a_step_ends_on_a_page_boundary(store):
     assert op.pages == [1] and op.block_ids == [STATE_BLOCK]
     assert _state_ops(plans[2]) == []
     assert [o.pages for o in _state_ops(plans[3])] == [[3]]
-    # attention pages are stored as they complete, whatever the step boundary
-    assert [p for plan in plans for op in plan.stores if op.group == 0 for p in op.pages] == [0, 1, 2, 3]
+    # attention pages are stored up to the last boundary with a state: none could be restored beyond it
+    assert [[p for op in plan.stores if op.group == 0 for p in op.pages] for plan in plans] == [[], [0, 1], [], [2, 3]]
+
+
+def test_pages_past_the_last_state_boundary_are_never_stored(store):
+    """A request that ends between two boundaries leaves its last pages unstored: without a state at
+    or after them, no lookup could ever load them (the hit ends at the last boundary with a state)."""
+    plans = _steps(_sched(store), [40, 41, 42])
+    assert [op.pages for p in plans for op in p.stores] == []
+    plans = _steps(_sched(store, state_every_pages=2), [16, 48, 64])  # states kept at every 2nd boundary
+    assert [[(op.group, op.pages) for op in p.stores] for p in plans] == [[], [], [(1, [3]), (0, [0, 1, 2, 3])]]
 
 
 def test_retention_every_n_pages_and_latest_only(store):

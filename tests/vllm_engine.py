@@ -14,9 +14,10 @@ BLOCK = 32
 
 
 def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefix_caching: bool = True,
-             kv_bytes: int = 64 << 20, batched_tokens: int = 128, max_seqs: int = 8, max_len: int = 2048,
+             kv_bytes: int = 64 << 20, batched_tokens: int | None = 128, max_seqs: int = 8, max_len: int = 2048,
              by_name: bool = False, log_stats: bool = False, kv_events_endpoint: str | None = None):
-    """An engine; ``lmkv=None`` runs without a connector. Chunked prefill is on (prompts > batched_tokens).
+    """An engine; ``lmkv=None`` runs without a connector. Chunked prefill is on (prompts > batched_tokens;
+    ``None``: vLLM's default token budget).
 
     ``by_name`` names the connector only, relying on lmkv's vLLM plugin to register it; ``log_stats``:
     vLLM's stat loggers run (its Prometheus metrics, lmkv's among them, in this process's registry);
@@ -37,9 +38,11 @@ def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefi
 
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                 endpoint=kv_events_endpoint, topic="kv")
+    if batched_tokens is not None:
+        kw["max_num_batched_tokens"] = batched_tokens
     return LLM(
         model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len, block_size=BLOCK,
-        dtype="bfloat16", max_num_batched_tokens=batched_tokens, max_num_seqs=max_seqs,
+        dtype="bfloat16", max_num_seqs=max_seqs,
         kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=prefix_caching, seed=0,
         disable_log_stats=not log_stats, **kw,
     )

@@ -69,12 +69,14 @@ class RequestState:
     seq: SequenceKeys
     local_pages: int = 0  # pages the engine had itself at the last lookup
     stored_upto: int = 0  # pages below this are resident somewhere or planned for storing
+    seen: int = 0  # full pages the steps so far have completed
     pending_loads: list[PageOp] = field(default_factory=list)
     async_load: bool = False  # the last lookup's load waits instead of running layerwise
     pins: list = field(default_factory=list)  # memory pages held for a planned layerwise load
     computed: int = 0  # tokens with state at the last step (to count the blocks each step takes)
     hit_pages: int = 0  # pages the engine or lmkv supplied when the request was admitted
     state_page: int | None = None  # the page whose boundary state this request stored last
+    restorable: int = 0  # state groups: pages up to the last boundary whose state is kept
     noted: bool = False  # lazy offload: this request's use of its prefix has been counted
 
 
@@ -148,6 +150,9 @@ class OffloadScheduler:
         self._engine_key: Callable[[int, bytes], EngineBlockKey] | None = None
         self._engine_pages: OrderedDict[EngineBlockKey, tuple[int, ChainHash]] = OrderedDict()  # -> (group, chain)
         self._inflight: list[Pick] = []
+        #: groups that keep one state per sequence (Mamba), and every how many page boundaries one is kept
+        self._state_groups = [g for g, lay in enumerate(self.groups) if lay.growth is Growth.PER_SEQUENCE]
+        self._state_every = offload.state_every_pages if offload is not None else 1
 
     def take_stats(self) -> dict[str, int]:
         """What this side counted since the last call (lookups, planned loads and stores, and lazy
@@ -292,6 +297,8 @@ class OffloadScheduler:
             else:
                 self.stats.layerwise_loads += 1
         st.stored_upto = max(st.stored_upto, first + n)
+        st.seen = max(st.seen, first + n)
+        st.restorable = max(st.restorable, first + n)
         st.hit_pages = first + n
 
     # -- per step ------------------------------------------------------------
@@ -322,22 +329,31 @@ class OffloadScheduler:
             full = min(s.computed_after_step, len(s.tokens)) // self.tpp
             allocated += _pages(s.computed_after_step, self.tpp) - _pages(st.computed, self.tpp)
             st.computed = s.computed_after_step
-            if full > st.stored_upto:
+            if full > st.seen:
+                st.seen = full
                 st.seq.extend(s.tokens[: full * self.tpp])
                 lazy = self.lazy_active
                 if lazy:
                     self._remember(st, s.block_hashes, full)
                 blocks = block_ids_of(s.req_id)
-                for g, layout in enumerate(self.groups):
-                    if layout.growth is Growth.PER_SEQUENCE:  # states are not in the free queue: stored now
-                        op = self._state_op(st, g, layout, s.computed_after_step, full, blocks[g], plan)
-                    elif not lazy:
-                        op = self._store_op(st, g, layout, st.stored_upto, full, blocks[g], planned)
-                    else:
-                        continue
-                    if op is not None:
-                        plan.stores.append(op)
-                st.stored_upto = full
+                # With state groups (Mamba), a page can be restored only with a state at or after it:
+                # pages are stored up to the last boundary a state was kept at, never beyond.
+                upto = full
+                if self._state_groups:
+                    if s.computed_after_step == full * self.tpp and full % self._state_every == 0:
+                        st.restorable = full
+                        for g in self._state_groups:
+                            op = self._state_op(st, g, self.groups[g], full, blocks[g], plan)
+                            if op is not None:
+                                plan.stores.append(op)
+                    upto = st.restorable
+                if not lazy and upto > st.stored_upto:
+                    for g, layout in enumerate(self.groups):
+                        if layout.growth is not Growth.PER_SEQUENCE:
+                            op = self._store_op(st, g, layout, st.stored_upto, upto, blocks[g], planned)
+                            if op is not None:
+                                plan.stores.append(op)
+                st.stored_upto = max(st.stored_upto, full if lazy else upto)
         if self.lazy_active:
             self._lazy_stores(max(0, allocated), plan)
         return plan
@@ -392,16 +408,11 @@ class OffloadScheduler:
         for (rescue, g), (chains, blocks) in sorted(by_group.items()):
             (plan.rescues if rescue else plan.stores).append(PageOp("", g, chains, blocks, []))
 
-    def _state_op(
-        self, st: RequestState, g: int, layout: GroupLayout, computed: int, full: int,
-        blocks: Sequence[int], plan: StepPlan,
-    ) -> PageOp | None:
-        """A state group's page: the state as of a page boundary, when this step ended exactly on
-        one that the retention setting keeps (``offload.state_every_pages``; with
-        ``state_retention: latest`` the request's previous one is dropped)."""
-        every = self.offload.state_every_pages if self.offload else 1
-        if computed != full * self.tpp or full % every:
-            return None
+    def _state_op(self, st: RequestState, g: int, layout: GroupLayout, full: int, blocks: Sequence[int],
+                  plan: StepPlan) -> PageOp | None:
+        """A state group's page: the state as of page boundary ``full``, where this step ended (one that
+        ``offload.state_every_pages`` keeps), unless a tier holds it already; with ``state_retention:
+        latest`` the request's previous one is dropped."""
         bid = _state_block(blocks)
         key = st.seq.keys(layout, full - 1, full)[0]
         if bid is None or self.store.contains([key])[0]:
