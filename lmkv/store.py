@@ -44,7 +44,7 @@ from lmkv.tiers.gds import DeviceBuffer
 from lmkv.tiers.link import LinkRates
 
 if TYPE_CHECKING:
-    from lmkv.engine.device_staging import DeviceStaging
+    from lmkv.tiers.device_staging import DeviceStaging
 
 log = logging.getLogger(__name__)
 

@@ -111,6 +111,55 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
+#: each wing's floor in the house, lowest first: a module imports only modules on its floor or below
+#: (the longest matching prefix names a module's wing)
+FLOORS = {
+    # the vocabulary every wing speaks
+    "lmkv.errors": 0, "lmkv.keys": 0, "lmkv.layout": 0, "lmkv.page": 0, "lmkv.domains": 0, "lmkv.config": 0,
+    # the server's wire, which both its ends speak; page digests on a GPU (the disk tier's GDS path uses them)
+    "lmkv.wire": 1, "lmkv.cuda.digests": 1,
+    # where pages live; the prefix rule over anything that holds pages
+    "lmkv.tiers": 2, "lmkv.lookup": 2,
+    # the tiers used as one
+    "lmkv.store": 3, "lmkv.metrics": 3,
+    # lazy offload's policy (its trace-driven evaluation sits on top)
+    "lmkv.offload": 4,
+    # the engine-facing half, and its GPU copier beside the CPU one
+    "lmkv.engine": 5, "lmkv.cuda": 5,
+    # the cache server
+    "lmkv.serve": 6,
+    # engine adapters
+    "lmkv.connectors": 7,
+    # what runs the house: the CLI, the harnesses, the benchmarks, the offload simulator, the package's face
+    "lmkv.cli": 8, "lmkv.dev": 8, "lmkv.benchmarks": 8, "lmkv.offload.sim": 8, "lmkv.offload.traces": 8,
+    "lmkv.offload.peer": 8, "lmkv": 8,
+}
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in FLOORS:
+            return FLOORS[".".join(parts[:n])]
+    raise KeyError(f"{module}: no floor in FLOORS")
+
+
+def test_wings_import_only_downward():
+    """The tiers never import the server or the engine side, the store never imports the engine
+    side, and so on up: every import goes to a wing on the same floor or below."""
+    graph = _graph()
+    upward = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if _floor(b) > _floor(a))
+    assert not upward, "upward imports: " + "; ".join(upward)
+
+
+def test_the_floors_are_read():
+    """(A test of the test: an upward import is found, and every module has a floor.)"""
+    assert _floor("lmkv.tiers.server_client") < _floor("lmkv.serve.server")
+    assert _floor("lmkv.cuda.digests") < _floor("lmkv.tiers.disk") < _floor("lmkv.cuda")
+    for module in MODULES:
+        _floor(module)
+
+
 def test_top_level_is_small():
     top = sorted(p.stem for p in (ROOT / "lmkv").glob("*.py"))
     assert len(top) <= 16, top

@@ -161,7 +161,7 @@ class _HostStaging:
     def __init__(self, io, slot: int, slots: int) -> None:
         import mmap
 
-        from lmkv.engine.device_staging import StagingLease
+        from lmkv.tiers.device_staging import StagingLease
 
         self.io, self.slot = io, padded(slot)
         self.buf = np.frombuffer(mmap.mmap(-1, self.slot * slots), np.uint8)  # aligned, as O_DIRECT needs

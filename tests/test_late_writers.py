@@ -288,10 +288,10 @@ def test_a_server_that_ends_a_connection_has_stopped_copying_into_its_memory(lay
 
     from lmkv.config import RemoteConfig
     from lmkv.errors import TierUnavailableError
-    from lmkv.serve import shm_window
     from lmkv.serve.server import Server
     from lmkv.tiers.base import TierStats
     from lmkv.tiers.quarantine import Quarantine
+    from lmkv.wire import shm_window
 
     srv = Server(load_config({"server": {"port": 0}, "memory": {"capacity": "64MiB"}}, environ={}))
     threading.Thread(target=srv.serve_forever, daemon=True).start()

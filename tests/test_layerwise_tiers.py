@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from lmkv.config import load_config
+from lmkv.engine.layer_fetch import SpanChooser
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.scheduler import OffloadScheduler
 from lmkv.engine.worker import LayerwiseTransfer, pipeline_depth
 from lmkv.errors import TierUnavailableError
 from lmkv.keys import page_key
-from lmkv.layer_fetch import SpanChooser
 from lmkv.layout import attention_layout
 from lmkv.store import TieredStore
 

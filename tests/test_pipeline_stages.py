@@ -11,8 +11,8 @@ from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.worker import LayerwiseTransfer
 from lmkv.keys import page_key
 from lmkv.layout import GroupLayout, Segment, StateKind
-from lmkv.serve.protocol import LayoutMsg
 from lmkv.store import TieredStore
+from lmkv.wire.protocol import LayoutMsg
 
 LAYERS, TOKENS, BLOCKS = 2, 16, 6
 CHAINS = [bytes([i + 1]) * 16 for i in range(3)]

@@ -17,10 +17,10 @@ from lmkv.dev.redis_server import free_port
 from lmkv.dev.server_process import spawn
 from lmkv.errors import TierUnavailableError
 from lmkv.page import make_header
-from lmkv.serve.protocol import FRAME, MAGIC, Get, Hello, LayoutMsg, Op, RemoteError, encode, frame
 from lmkv.serve.server import Server
 from lmkv.store import TieredStore
 from lmkv.tiers.server_client import ServerTier
+from lmkv.wire.protocol import FRAME, MAGIC, Get, Hello, LayoutMsg, Op, RemoteError, encode, frame
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ from conftest import make_pages
 
 from lmkv.config import RemoteConfig, load_config
 from lmkv.dev.server_process import spawn
-from lmkv.serve import shm_window
-from lmkv.serve.protocol import Empty, Get, HelloReply, LayoutMsg, Op, decode_reply, encode, frame, read_frame
 from lmkv.store import TieredStore
 from lmkv.tiers.server_client import ServerTier
+from lmkv.wire import shm_window
+from lmkv.wire.protocol import Empty, Get, HelloReply, LayoutMsg, Op, decode_reply, encode, frame, read_frame
 
 OTHER_UID = 65534  # nobody
 
@@ -278,7 +278,7 @@ def test_a_put_whose_pages_never_come_releases_its_room(tmp_path, layout):
     """A PUT reserves room for its pages when its header arrives; if they do not follow within
     the payload deadline the connection is closed and the room is free again."""
     from lmkv.page import make_header
-    from lmkv.serve.protocol import Put, Stats
+    from lmkv.wire.protocol import Put, Stats
 
     with _serve(tmp_path, payload_timeout=1.0) as s:
         keys, payloads, _ = make_pages(layout, 4)
@@ -325,7 +325,7 @@ def test_long_residency_domains_are_refused_not_aliased(server, layout):
     64); each is refused instead, and a domain that fits still works."""
     t = ServerTier(RemoteConfig(url=server.url, shm="never"))
     keys, _, pages = make_pages(layout, 1)
-    from lmkv.serve.protocol import RemoteError
+    from lmkv.wire.protocol import RemoteError
 
     for name in ("a" * 62 + "1", "a" * 62 + "2"):
         with pytest.raises(RemoteError, match="at most"):

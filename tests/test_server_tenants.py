@@ -16,9 +16,9 @@ from conftest import make_pages
 from lmkv.config import ConfigError, RemoteConfig, ServerConfig
 from lmkv.dev.server_process import spawn
 from lmkv.errors import TierUnavailableError
-from lmkv.serve.protocol import Clear, Count, Empty, Keys, Op, RemoteError, decode_reply, encode, frame, read_frame
 from lmkv.serve.tenants import Tenants
 from lmkv.tiers.server_client import ServerTier
+from lmkv.wire.protocol import Clear, Count, Empty, Keys, Op, RemoteError, decode_reply, encode, frame, read_frame
 
 A_TOKEN = "team-a-token-0123456789"
 B_TOKEN = "team-b-token-0123456789"

@@ -8,7 +8,7 @@ For each step the engine adapter calls, in order:
   at once, before the forward writes those blocks;
 - :meth:`LayerwiseTransfer.start_loads`: fetches of the pages to load start
   (memory hits are lent zero-copy; pages below memory are read layer by layer,
-  :mod:`lmkv.layer_fetch`, a few layers ahead of the forward);
+  :mod:`lmkv.engine.layer_fetch`, a few layers ahead of the forward);
 - :meth:`LayerwiseTransfer.before_layer` before attention layer ``l`` runs: wait
   for layer ``l`` alone, scatter its range of each page into its block;
 - :meth:`LayerwiseTransfer.after_layer` after layer ``l`` computed: gather layer
@@ -21,7 +21,7 @@ blocks as load errors; the engine recomputes exactly those tokens.
 
 GPUDirect Storage (a disk tier with ``disk.io: gds`` on the engine's GPU, layers the
 copy kernel can address): disk pages are read into device staging slots
-(:mod:`lmkv.engine.device_staging`), verified there, and scattered by the kernel; under
+(:mod:`lmkv.tiers.device_staging`), verified there, and scattered by the kernel; under
 write-through, stored blocks are gathered into slots after the forward and written to
 disk from device memory, the host copy going to the memory tier alone.
 
@@ -53,14 +53,14 @@ import torch
 from lmkv.cuda import KernelLayerBlocks, kernel_layer_blocks, synchronize, to_device
 from lmkv.cuda.streams import CopyStreams, Events
 from lmkv.engine.blockcopy import BlockRun, LayerBlocks, as_bytes_array, block_runs
-from lmkv.engine.device_staging import DeviceStaging
+from lmkv.engine.layer_fetch import LayerFetch, SpanChooser
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.errors import TierFullError
 from lmkv.keys import ChainHash, PageKey, page_key
-from lmkv.layer_fetch import LayerFetch, SpanChooser
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, header_of_digests, make_header, padded
 from lmkv.store import Fetched, StoreSession, TieredStore
+from lmkv.tiers.device_staging import DeviceStaging
 from lmkv.tiers.gds import DeviceBuffer
 
 log = logging.getLogger(__name__)

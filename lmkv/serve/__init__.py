@@ -1,3 +1,4 @@
-"""``lmkv serve``, the cache server many engines share, and its wire: the framed protocol
-(``protocol``), same-host shared memory (``shm_window``), who gets a connection (``admission``)
-and what a token grants (``tenants``). The client end is :mod:`lmkv.tiers.server_client`."""
+"""``lmkv serve``, the cache server many engines share: one connection's requests
+(``connection``), the listener and its admission of connections (``server``, ``admission``) and
+what a token grants (``tenants``). Its wire is :mod:`lmkv.wire`; the client end is
+:mod:`lmkv.tiers.server_client`."""

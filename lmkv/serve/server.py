@@ -1,10 +1,10 @@
 """``lmkv serve``: one process holding memory and disk tiers (Redis optionally beneath) for many engines.
 
-- Transport: lmkv's framed protocol (:mod:`lmkv.serve.protocol`) over TCP (TLS optional)
+- Transport: lmkv's framed protocol (:mod:`lmkv.wire.protocol`) over TCP (TLS optional)
   and, for clients on this host, an abstract Unix socket; one thread per client.
   Page bytes go from the socket straight into memory-tier slots reserved for them,
   and from those slots straight to the socket: no intermediate copies. Unix-socket
-  clients may pass sealed memfds (:mod:`lmkv.serve.shm_window`); bulk bytes then cross
+  clients may pass sealed memfds (:mod:`lmkv.wire.shm_window`); bulk bytes then cross
   that memory instead of the socket. No path a client sends is ever opened.
 - Tenants (:mod:`lmkv.serve.tenants`): a token is a tenant; the namespace a client
   names in ``HELLO`` must be one its token was granted. Every key it sends is
@@ -50,9 +50,12 @@ from lmkv.keys import KEY_BYTES, PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
 from lmkv.metrics import serve_metrics
 from lmkv.page import PageHeader, rekey, units_in_ranges, unpack_header
-from lmkv.serve import shm_window
 from lmkv.serve.admission import AuthFailures, PeerCounts
-from lmkv.serve.protocol import (
+from lmkv.serve.tenants import Counters, Tenant, Tenants
+from lmkv.store import TieredStore
+from lmkv.tiers.accounts import Limit
+from lmkv.wire import shm_window
+from lmkv.wire.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
     Count,
@@ -74,9 +77,6 @@ from lmkv.serve.protocol import (
     read_frame,
     recv_exact,
 )
-from lmkv.serve.tenants import Counters, Tenant, Tenants
-from lmkv.store import TieredStore
-from lmkv.tiers.accounts import Limit
 
 log = logging.getLogger(__name__)
 

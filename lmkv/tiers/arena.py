@@ -66,7 +66,7 @@ class HostArena:
     """``capacity`` bytes as a flat ``numpy.uint8`` array; ``pinned`` says whether it is page-locked."""
 
     def __init__(self, capacity: int, pin: str = "auto", prefault: bool = False, shared: bool = False) -> None:
-        """``shared``: back the arena with a shared-memory window (:mod:`lmkv.serve.shm_window`) that an
+        """``shared``: back the arena with a shared-memory window (:mod:`lmkv.wire.shm_window`) that an
         lmkv server on this host can map, so its pages are copied straight into arena slots.
         Page-locking wins over sharing: a pinned arena is never shared."""
         if capacity <= 0:
@@ -77,7 +77,7 @@ class HostArena:
         self._owner: object
         want_pin = pin == "always" or (pin == "auto" and cuda_available())
         if shared and not want_pin:
-            from lmkv.serve.shm_window import create
+            from lmkv.wire.shm_window import create
 
             self.window = create(capacity, "lmkv-arena")
             self._owner = self.window

@@ -6,7 +6,7 @@ straight into the caller's buffers and sent from the caller's buffers; nothing
 is copied into intermediate ``bytes``. On the server's host (``shm: auto`` and a
 loopback address) the first connection's HELLO names the server's Unix domain socket;
 connections then go there instead, each passing a sealed shared-memory window
-(:mod:`lmkv.serve.shm_window`, and the memory tier's arena when it is shared) whose memory
+(:mod:`lmkv.wire.shm_window`, and the memory tier's arena when it is shared) whose memory
 the bulk bytes cross instead of the socket. The client first checks that the socket's
 peer is the process that answered on the TCP port. A connection that fails is
 dropped; the next call opens a fresh one, so a restarted server is picked up without
@@ -41,8 +41,11 @@ from lmkv.errors import PageError, TierBusyError, TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, landing_chunks, units_in_ranges, unpack_header, verify_units
-from lmkv.serve import shm_window
-from lmkv.serve.protocol import (
+from lmkv.tiers.base import Range
+from lmkv.tiers.quarantine import Quarantine
+from lmkv.tiers.remote import Checked, RemoteTier
+from lmkv.wire import shm_window
+from lmkv.wire.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
     Clear,
@@ -69,9 +72,6 @@ from lmkv.serve.protocol import (
     read_frame,
     recv_exact,
 )
-from lmkv.tiers.base import Range
-from lmkv.tiers.quarantine import Quarantine
-from lmkv.tiers.remote import Checked, RemoteTier
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ The metadata is one msgspec ``Struct`` per op, so every field is type-checked
 on decode. Bulk bytes are the pages' payloads (or the requested ranges of each
 page) back to back in the order of the metadata; they are read with
 ``recv_into`` straight into their destination, never through a ``bytes`` copy.
-Same-host clients may instead name shared-memory windows (:mod:`lmkv.serve.shm_window`):
+Same-host clients may instead name shared-memory windows (:mod:`lmkv.wire.shm_window`):
 bulk then travels through them and ``bulk_len`` is 0.
 
 Every length and count read from the peer is bounded before anything is
@@ -113,7 +113,7 @@ class LayoutMsg(msgspec.Struct, array_like=True):
 
 class Hello(msgspec.Struct):
     """The first request on a connection. Over a Unix domain socket, ``window`` and ``arena`` say
-    that the client's sealed memfds follow the frame (:func:`lmkv.serve.shm_window.send`): a staging
+    that the client's sealed memfds follow the frame (:func:`lmkv.wire.shm_window.send`): a staging
     window for this connection, then its memory tier's arena. Over TCP they are ignored."""
 
     version: int
