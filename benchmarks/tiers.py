@@ -39,7 +39,8 @@ from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
 from lmkv.page import make_header
 from lmkv.store import TieredStore
-from lmkv.tiers.disk import DiskTier, probe_direct_io
+from lmkv.tiers.disk import DiskTier
+from lmkv.tiers.posix_io import probe_direct_io
 
 log = logging.getLogger("lmkv.bench.tiers")
 

@@ -10,7 +10,8 @@ from conftest import random_key, random_payload
 
 from lmkv.config import DiskConfig
 from lmkv.page import make_header
-from lmkv.tiers.disk import DiskTier, probe_direct_io
+from lmkv.tiers.disk import DiskTier
+from lmkv.tiers.posix_io import probe_direct_io
 
 IO = ["buffered", "direct"]
 

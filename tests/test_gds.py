@@ -14,7 +14,8 @@ from conftest import flip_byte, layerwise_load, make_pages
 from lmkv.config import DiskConfig
 from lmkv.page import disk_header_bytes, padded
 from lmkv.tiers import gds
-from lmkv.tiers.disk import DiskTier, probe_direct_io
+from lmkv.tiers.disk import DiskTier
+from lmkv.tiers.posix_io import probe_direct_io
 
 
 @pytest.mark.skipif(shutil.which("findmnt") is None, reason="no findmnt")

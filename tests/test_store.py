@@ -260,7 +260,7 @@ def _joined(units):
 def test_get_units_reads_pages_into_engine_buffers_from_every_tier(tmp_path, layout, io):
     """Memory pages are copied from the arena, buffered disk pages read in place without a stop in
     memory; O_DIRECT disk pages are staged (and promoted); a corrupt page is None and dropped."""
-    from lmkv.tiers.disk import probe_direct_io
+    from lmkv.tiers.posix_io import probe_direct_io
 
     if io == "direct" and not probe_direct_io(tmp_path):
         pytest.skip("no O_DIRECT here")

@@ -1,200 +1,52 @@
-"""The local disk tier: one file per page, in lmkv's page format.
+"""The local disk tier: one file per page, in lmkv's page format (:mod:`lmkv.tiers.page_files`).
 
-On disk a page is its header padded to :data:`~lmkv.page.ALIGN`, then its
-payload padded to ALIGN, so every I/O engine (buffered POSIX, O_DIRECT, cuFile)
-reads and writes the same files.
-
-Layout of the directory::
-
-    tmp/<key>.<pid>.<nonce>       pages being written (a dead writer's are removed at start-up)
-    d/<domain>/<k0k1>/<key>.page  one hard link per owning residency domain
-
-A page is written to ``tmp/``, flushed (``fsync``), and only then linked into
-place, so a reader never sees a half-written page and a writer killed mid-page
-leaves only a temp file. The index is rebuilt from the file names on start-up;
-a file that was torn or flipped afterwards is caught by its checksum when read,
-and deleted. Ownership is one hard link per domain: clearing a domain unlinks
-its links, and the bytes go when the last owner does. A full file system is a
-clean per-page failure: the temp file is removed and nothing half-written
-remains.
+A page is written to ``tmp/``, flushed (``fsync``), and only then linked into place, so a
+reader never sees a half-written page and a writer killed mid-page leaves only a temp file.
+The index is rebuilt from the file names on start-up; a file that was torn or flipped
+afterwards is caught by its checksum when read, and deleted. Ownership is one hard link per
+residency domain: clearing a domain unlinks its links, and the bytes go when the last owner
+does. A full file system is a clean per-page failure: the temp file is removed and nothing
+half-written remains.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import errno
 import logging
 import mmap
 import os
 import threading
-import uuid
 from collections.abc import Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from lmkv.config import DiskConfig
 from lmkv.domains import DomainRegistry, check_domain
-from lmkv.errors import PageError, ShortReadError, TierFullError
-from lmkv.keys import PageKey, key_hex, parse_key_hex
+from lmkv.errors import PageError, TierFullError
+from lmkv.keys import PageKey, key_hex
 from lmkv.layout import GroupLayout
 from lmkv.page import (
     ALIGN,
     PageHeader,
     as_bytes_view,
-    disk_header_bytes,
     disk_page_bytes,
     padded,
-    units_in_ranges,
-    unpack_header,
-    verify_payload,
-    verify_unit_buffers,
-    verify_units,
 )
 from lmkv.tiers import gds
 from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import LocalTier, Range, ReadsInPlace, WriteSession
 from lmkv.tiers.eviction import EvictionPolicy, make_policy
+from lmkv.tiers.gds import DeviceBuffer
+from lmkv.tiers.page_files import WOULD_BLOCK, Blocked, PageFiles, domains_in, page_path, remove_dead_writers, scan
+from lmkv.tiers.posix_io import FULL_ERRNOS, aligned, place, probe_direct_io, unlink
 from lmkv.tiers.quarantine import settled_map
 
 log = logging.getLogger(__name__)
 
-_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-SUFFIX = ".page"
-class _Blocked(enum.Enum):
-    WOULD_BLOCK = "a page the page cache does not hold (read it on an I/O thread)"
-
-
-_WOULD_BLOCK = _Blocked.WOULD_BLOCK
 INLINE_RUNS = min(4, os.cpu_count() or 1)  # parallel runs of reads the page cache serves
 MIN_RUN_PAGES = 16
-
-
-def page_path(data_dir: Path, key: PageKey, domain: str) -> str:
-    """A page's file (a string: reads open one per page, and pathlib would cost more than the read)."""
-    h = key_hex(key)
-    return f"{data_dir}/{domain}/{h[:2]}/{h}{SUFFIX}"
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _place(src: str | Path, dst: str, link: bool = False) -> None:
-    """Move (or hard-link) a file into a domain's directory, making the directory if needed (again,
-    if the last page of that domain went meanwhile and took the directory with it)."""
-    for attempt in (0, 1):
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        try:
-            (os.link if link else os.replace)(src, dst)
-            return
-        except FileNotFoundError:
-            if attempt or not os.path.exists(src):
-                raise
-
-
-def _domains_in(data_dir: Path) -> list[str]:
-    try:
-        return [d.name for d in data_dir.iterdir()]
-    except OSError:
-        return []
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class DiskView:
-    """A disk tier directory seen from a process that does not own it (e.g. an engine's scheduler).
-
-    The files are the truth: a page exists when its file does. Nothing is cached,
-    so pages other processes write or evict are seen at once.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], name: str = "disk") -> None:
-        self.name = name
-        self._data = Path(path) / "d"
-
-    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
-        domains = _domains_in(self._data)
-        return [any(os.path.exists(page_path(self._data, k, d)) for d in domains) for k in keys]
-
-
-def probe_direct_io(directory: Path) -> bool:
-    """Whether this file system accepts O_DIRECT (tmpfs and some overlays do not)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = directory / f".direct-probe-{uuid.uuid4().hex}"
-    buf = mmap.mmap(-1, ALIGN)
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
-        try:
-            os.write(fd, buf)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-        buf.close()
-
-
-def _aligned(view: memoryview, nbytes: int) -> bool:
-    """Whether a buffer can take part in O_DIRECT I/O of ``nbytes`` as it is."""
-    addr = np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
-    return addr % ALIGN == 0 and nbytes % ALIGN == 0 and len(view) >= nbytes
-
-
-def _pwritev_all(fd: int, iov: list[memoryview]) -> None:
-    """Write every buffer; a short write is retried, so a full file system surfaces as ENOSPC."""
-    offset = 0
-    for buf in iov:
-        done = 0
-        while done < len(buf):
-            n = os.pwrite(fd, buf[done:], offset + done)
-            if n <= 0:
-                raise OSError(errno.ENOSPC, "no progress writing page")
-            done += n
-        offset += len(buf)
-
-
-def _read_exact(fd: int, bufs: list, need: int, nowait: bool) -> bool:
-    """``preadv`` a whole page from the file's start into ``bufs``; a short read raises. ``nowait``:
-    False (nothing raised) unless the OS page cache holds all ``need`` bytes."""
-    if nowait:
-        try:
-            got = os.preadv(fd, bufs, 0, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return False
-        if got < need:  # partly cached (or truncated: the blocking read tells)
-            return False
-    else:
-        got = os.preadv(fd, bufs, 0)
-    if got < need:
-        raise ShortReadError(f"read {got} bytes of a {need}-byte page")
-    return True
-
-
-class _Bounce(threading.local):
-    """A per-thread aligned scratch buffer for I/O that cannot use the caller's buffer."""
-
-    def get(self, nbytes: int) -> memoryview:
-        buf = getattr(self, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            self.buf = mmap.mmap(-1, padded(nbytes))
-        return memoryview(self.buf)[:nbytes]
 
 
 @dataclass(slots=True)
@@ -205,6 +57,13 @@ class _Entry:
 
 
 class DiskTier(LocalTier, ReadsInPlace):
+    """Pages as files under ``disk.path``, indexed in memory, charged to accounts, evicted by policy.
+
+    Thread-safe: the index is under one lock, file I/O runs outside it (on the caller's thread or
+    the tier's I/O threads). Opened by rebuilding the index from the files there; other processes
+    sharing the directory may add pages, found when looked up. :meth:`close` ends its I/O threads.
+    """
+
     def __init__(self, cfg: DiskConfig, name: str = "disk", accounts: Accounts | None = None) -> None:
         """``accounts``: who the pages are charged to and their limits (default: one, unlimited)."""
         super().__init__(name)
@@ -216,9 +75,8 @@ class DiskTier(LocalTier, ReadsInPlace):
         self._data = self.root / "d"
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._data.mkdir(parents=True, exist_ok=True)
-        #: cuFile, where GDS moves payloads between page files and device memory (``disk.io``)
-        self.gds = gds.choose(self._tmp, required=cfg.io == "gds") if cfg.io in ("auto", "gds") else None
-        self.direct = self.gds is not None or cfg.io == "direct" or (cfg.io == "auto" and probe_direct_io(self._tmp))
+        engine = gds.choose(self._tmp, required=cfg.io == "gds") if cfg.io in ("auto", "gds") else None
+        self.direct = engine is not None or cfg.io == "direct" or (cfg.io == "auto" and probe_direct_io(self._tmp))
         if cfg.io == "direct" and not probe_direct_io(self._tmp):
             raise ValueError(f"disk.io = 'direct': the file system under {self.root} refuses O_DIRECT")
         self._lock = threading.Lock()
@@ -228,9 +86,19 @@ class DiskTier(LocalTier, ReadsInPlace):
         self._policies: dict[str, EvictionPolicy] = {}  # account -> its pages' eviction order
         self._used = 0
         self._reserved = 0
-        self._bounce = _Bounce()
+        self._files = PageFiles(cfg, self._tmp, self.direct, engine)
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="lmkv-disk")
         self._rebuild()
+
+    @property
+    def gds(self):
+        """cuFile (or hipFile), where GDS moves payloads between page files and device memory
+        (``disk.io``); None: POSIX I/O alone."""
+        return self._files.gds
+
+    @gds.setter
+    def gds(self, engine) -> None:
+        self._files.gds = engine
 
     # -- files -------------------------------------------------------------
 
@@ -239,31 +107,8 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     def _rebuild(self) -> None:
         """Index the files that are there; remove temp files of writers that died."""
-        for tmp in self._tmp.iterdir():
-            parts = tmp.name.split(".")
-            writer = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
-            if writer is None or writer == os.getpid() or not _pid_alive(writer):
-                tmp.unlink(missing_ok=True)
-        found: list[tuple[float, PageKey, str, int]] = []
-        for dom_dir in sorted(p for p in self._data.iterdir() if p.is_dir()):
-            try:
-                check_domain(dom_dir.name)
-            except ValueError:
-                log.warning("disk tier: ignoring unexpected directory %s", dom_dir)
-                continue
-            for sub in dom_dir.iterdir():
-                for f in sub.iterdir() if sub.is_dir() else ():
-                    try:
-                        key = parse_key_hex(f.name.removesuffix(SUFFIX))
-                        st = f.stat()
-                    except (ValueError, OSError):
-                        continue
-                    if not f.name.endswith(SUFFIX) or st.st_size < 2 * ALIGN or st.st_size % ALIGN:
-                        log.warning("disk tier: removing malformed page file %s", f)
-                        f.unlink(missing_ok=True)
-                        continue
-                    found.append((st.st_mtime, key, dom_dir.name, st.st_size))
-        for _, key, domain, size in sorted(found):
+        remove_dead_writers(self._tmp)
+        for _, key, domain, size in sorted(scan(self._data, log)):
             self._index_file(key, domain, size)
         if self._index:
             log.info("disk tier %s: %d pages, %d bytes indexed", self.root, len(self._index), self._used)
@@ -288,7 +133,8 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     def _remove_domain_dir(self, domain: str) -> None:
         """The domain's last page went (told by the registry, under the lock): its directories go too,
-        so a domain that is gone costs nothing to the scans of the directory (see :class:`DiskView`).
+        so a domain that is gone costs nothing to the scans of the directory (a
+        :class:`~lmkv.tiers.page_files.DiskView`).
         A directory another process still fills is not empty and stays."""
         top = self._data / domain
         with contextlib.suppress(OSError):
@@ -307,7 +153,7 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     def _unlink_all(self, key: PageKey, domains: int) -> None:
         for domain in self._domains.names(domains):
-            _unlink(self._path(key, domain))
+            unlink(self._path(key, domain))
 
     def _forget(self, key: PageKey, evicted: bool = False) -> _Entry | None:
         """Under the lock: drop a page from the index and unlink its files (``evicted``: the
@@ -365,9 +211,9 @@ class DiskTier(LocalTier, ReadsInPlace):
     # -- reading -----------------------------------------------------------
 
     def _read_page(self, key: PageKey, layout: GroupLayout, out, ranges: Sequence[Range] | None,
-                   nowait: bool = False) -> PageHeader | None | _Blocked:
+                   nowait: bool = False) -> PageHeader | None | Blocked:
         """One page into ``out`` (a buffer, or with buffered I/O a list of one buffer per unit), or
-        only ``ranges`` of it; ``nowait`` (a whole buffered page): :data:`_WOULD_BLOCK` unless the OS
+        only ``ranges`` of it; ``nowait`` (a whole buffered page): :data:`WOULD_BLOCK` unless the OS
         page cache holds all of it, so that cached pages are read without a thread hand-off. A page
         that fails its checks is dropped; any failure is a miss (``None``)."""
         with self._lock:
@@ -378,10 +224,10 @@ class DiskTier(LocalTier, ReadsInPlace):
             self.stats.misses += 1
             return None
         units = out if isinstance(out, list) else None
-        device = out if isinstance(out, gds.DeviceBuffer) else None
+        device = out if isinstance(out, DeviceBuffer) else None
         dst = None if units is not None or device is not None else as_bytes_view(out)
         direct = device is not None or self.direct and dst is not None and (
-            ranges is None or all(s % ALIGN == 0 and _aligned(dst[s:t], t - s) for s, t in ranges)
+            ranges is None or all(s % ALIGN == 0 and aligned(dst[s:t], t - s) for s, t in ranges)
         )
         try:
             fd = self._open_any(key, e, os.O_RDONLY | (os.O_DIRECT if direct else 0))
@@ -389,18 +235,18 @@ class DiskTier(LocalTier, ReadsInPlace):
             self._discard(key, "file vanished")
             self.stats.misses += 1
             return None
-        header: PageHeader | _Blocked
+        header: PageHeader | Blocked
         try:
             if device is not None:
-                header = self._read_to_device(fd, key, layout, device)
+                header = self._files.read_to_device(fd, key, layout, device)
             elif units is not None:
-                header = self._read_units(fd, key, layout, units, nowait)
+                header = self._files.read_units(fd, key, layout, units, nowait)
             elif ranges is None:
                 assert dst is not None
-                header = self._read_whole(fd, key, layout, dst, direct, nowait and not direct)
+                header = self._files.read_whole(fd, key, layout, dst, direct, nowait and not direct)
             else:
                 assert dst is not None
-                header = self._read_ranges(fd, key, layout, dst, ranges)
+                header = self._files.read_ranges(fd, key, layout, dst, ranges)
         except PageError as err:
             self._discard(key, str(err))
             self.stats.misses += 1
@@ -412,7 +258,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             return None
         finally:
             os.close(fd)
-        if header is not _WOULD_BLOCK:
+        if header is not WOULD_BLOCK:
             self.stats.hits += ranges is None or ranges[0][0] == 0  # a page read layer by layer is one hit
             self.stats.get_bytes += layout.payload_bytes if ranges is None else sum(t - s for s, t in ranges)
         return header
@@ -420,108 +266,10 @@ class DiskTier(LocalTier, ReadsInPlace):
     def _read(self, key: PageKey, layout: GroupLayout, out, ranges: Sequence[Range] | None = None) -> PageHeader | None:
         """:meth:`_read_page`, waiting for the device."""
         got = self._read_page(key, layout, out, ranges)
-        assert got is not _WOULD_BLOCK
+        assert got is not WOULD_BLOCK
         return got
 
-    def _read_whole(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview, direct: bool,
-                    nowait: bool) -> PageHeader | _Blocked:
-        """Header and payload in one ``preadv``: the payload straight into ``dst``, or through an
-        aligned bounce buffer where O_DIRECT cannot use ``dst`` as it is."""
-        hdr_bytes, plen = disk_header_bytes(layout), layout.payload_bytes
-        if direct and not _aligned(dst, padded(plen)):
-            scratch = self._bounce.get(hdr_bytes + padded(plen))
-            _read_exact(fd, [scratch], hdr_bytes + plen, nowait=False)
-            hdr = scratch[:hdr_bytes]
-            dst[:plen] = scratch[hdr_bytes : hdr_bytes + plen]
-        else:
-            hdr = self._bounce.get(hdr_bytes)
-            if not _read_exact(fd, [hdr, dst[: padded(plen) if direct else plen]], hdr_bytes + plen, nowait):
-                return _WOULD_BLOCK
-        header = unpack_header(hdr, expect_key=key, layout=layout)
-        verify_payload(header, layout, dst)
-        return header
-
-    def _read_to_device(self, fd: int, key: PageKey, layout: GroupLayout, out: gds.DeviceBuffer) -> PageHeader:
-        """GDS: the header into a host buffer (parsed and checked here), the payload with cuFile
-        into device memory; its digests are checked on the device by :meth:`get_device`."""
-        assert self.gds is not None
-        header = self._read_header(fd, key, layout)
-        self.gds.read(fd, out.ptr, padded(layout.payload_bytes), disk_header_bytes(layout))
-        return header
-
-    def _read_units(self, fd: int, key: PageKey, layout: GroupLayout, units: list,
-                    nowait: bool) -> PageHeader | _Blocked:
-        """Header and payload in one ``preadv``, each unit into its own buffer (an engine's block rows)."""
-        hdr_bytes = disk_header_bytes(layout)
-        hdr = self._bounce.get(hdr_bytes)
-        if not _read_exact(fd, [hdr, *units], hdr_bytes + layout.payload_bytes, nowait):
-            return _WOULD_BLOCK
-        header = unpack_header(hdr, expect_key=key, layout=layout)
-        verify_unit_buffers(header, layout, units)
-        return header
-
-    def _read_header(self, fd: int, key: PageKey, layout: GroupLayout) -> PageHeader:
-        """The page's header alone (its padded block at the file's start), parsed and checked."""
-        hdr_bytes = disk_header_bytes(layout)
-        hdr = self._bounce.get(hdr_bytes)
-        if os.preadv(fd, [hdr], 0) < hdr_bytes:
-            raise ShortReadError("page header is truncated")
-        return unpack_header(hdr, expect_key=key, layout=layout)
-
-    def _read_ranges(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview,
-                     ranges: Sequence[Range]) -> PageHeader:
-        """The header, then each range into ``dst`` at its page offset; only those units are verified."""
-        hdr_bytes = disk_header_bytes(layout)
-        header = self._read_header(fd, key, layout)
-        for start, end in ranges:
-            if os.preadv(fd, [dst[start:end]], hdr_bytes + start) < end - start:
-                raise ShortReadError(f"range [{start}, {end}) is truncated")
-        verify_units(header, layout, dst, units_in_ranges(layout, ranges))
-        return header
-
     # -- writing -----------------------------------------------------------
-
-    def _header_block(self, packed: bytes, hdr_bytes: int) -> memoryview:
-        """A packed header zero-padded to its on-disk size, in this thread's aligned bounce buffer."""
-        hdr = self._bounce.get(hdr_bytes)
-        hdr[: len(packed)] = packed
-        hdr[len(packed) :] = bytes(hdr_bytes - len(packed))
-        return hdr
-
-    def _write_tmp(self, header: PageHeader, payload) -> Path:
-        """Write one page to a temp file, flushed; raises OSError (temp file removed) on failure."""
-        hdr_bytes = header.disk_header_bytes
-        plen = header.payload_len
-        tmp = self._tmp / f"{key_hex(header.key)}.{os.getpid()}.{uuid.uuid4().hex}"
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self.direct else 0), 0o644)
-        try:
-            packed = header.pack()
-            if isinstance(payload, gds.DeviceBuffer):  # GDS: the header from here, the payload with cuFile
-                assert self.gds is not None
-                _pwritev_all(fd, [self._header_block(packed, hdr_bytes)])
-                self.gds.write(fd, payload.ptr, padded(plen), hdr_bytes)
-                iov = []
-            elif self.direct and _aligned(src := as_bytes_view(payload), padded(plen)):
-                iov = [self._header_block(packed, hdr_bytes), src[: padded(plen)]]
-            else:
-                src = as_bytes_view(payload)
-                total = hdr_bytes + padded(plen)
-                scratch = self._bounce.get(total)
-                scratch[: len(packed)] = packed
-                scratch[len(packed) : hdr_bytes] = bytes(hdr_bytes - len(packed))
-                scratch[hdr_bytes : hdr_bytes + plen] = src[:plen]
-                scratch[hdr_bytes + plen :] = bytes(total - hdr_bytes - plen)
-                iov = [scratch]
-            if iov:
-                _pwritev_all(fd, iov)
-            if self.cfg.fsync:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        return tmp
 
     def _publish(self, header: PageHeader, tmp: Path, domain: str, account: str) -> bool:
         """Link a flushed temp file into place for ``domain``, its reservation settled; under the lock."""
@@ -535,7 +283,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             return True
         final = self._path(key, domain)
         try:
-            _place(tmp, final)
+            place(tmp, final)
         except OSError as err:
             self._settle(size, account, resident=False)
             tmp.unlink(missing_ok=True)
@@ -556,7 +304,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             return
         src = next(self._path(key, d) for d in self._domains.names(e.domains))
         try:
-            _place(src, self._path(key, domain), link=True)
+            place(src, self._path(key, domain), link=True)
         except FileExistsError:
             pass
         except OSError as err:
@@ -568,11 +316,11 @@ class DiskTier(LocalTier, ReadsInPlace):
         """Write a page whose room is reserved, then publish it."""
         size = header.disk_bytes
         try:
-            tmp = self._write_tmp(header, payload)
+            tmp = self._files.write_tmp(header, payload)
         except OSError as err:
             with self._lock:
                 self._settle(size, account, resident=False)
-            if err.errno in _FULL_ERRNOS:
+            if err.errno in FULL_ERRNOS:
                 self.stats.full += 1
                 log.warning("disk tier: file system full writing %s", key_hex(header.key))
             else:
@@ -592,7 +340,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         with self._lock:
             found = [k in self._index for k in keys]
         if not all(found):  # another process sharing the directory may have written them
-            domains = _domains_in(self._data)
+            domains = domains_in(self._data)
             for i, k in enumerate(keys):
                 if not found[i]:
                     found[i] = self._adopt(k, domains)
@@ -619,11 +367,11 @@ class DiskTier(LocalTier, ReadsInPlace):
         be lists of unit buffers (see :meth:`get_units`)."""
         if len(keys) < 2:
             return [self._read(k, layout, out) for k, out in zip(keys, outs)]
-        results: list[PageHeader | None | _Blocked] = [_WOULD_BLOCK] * len(keys)
+        results: list[PageHeader | None | Blocked] = [WOULD_BLOCK] * len(keys)
         if not self.direct:
             # a few long runs (one here, the others on I/O threads): a page's copy out of the page
             # cache runs without the GIL while another run hashes (measured 1.5-1.7x one run on 2 cores)
-            def run(lo: int, hi: int) -> list[PageHeader | None | _Blocked]:
+            def run(lo: int, hi: int) -> list[PageHeader | None | Blocked]:
                 return [self._read_page(keys[i], layout, outs[i], None, nowait=True) for i in range(lo, hi)]
 
             parts = max(1, min(INLINE_RUNS, len(keys) // MIN_RUN_PAGES))
@@ -634,11 +382,11 @@ class DiskTier(LocalTier, ReadsInPlace):
             finally:  # (a failure here must not return while the others still read into ``outs``)
                 futures.wait(others)
             results = here + [r for f in others for r in f.result()]
-        todo = [i for i, r in enumerate(results) if r is _WOULD_BLOCK]
+        todo = [i for i, r in enumerate(results) if r is WOULD_BLOCK]
         if todo:
             for i, r in zip(todo, settled_map(self._io, lambda i: self._read(keys[i], layout, outs[i]), todo)):
                 results[i] = r
-        return [None if r is _WOULD_BLOCK else r for r in results]  # (none is left)
+        return [None if r is WOULD_BLOCK else r for r in results]  # (none is left)
 
     @property
     def reads_in_place(self) -> bool:
@@ -671,7 +419,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         return settled_map(self._io, lambda i: self._read(keys[i], layout, outs[i], ranges), range(len(keys)))
 
     def get_device(self, keys: Sequence[PageKey], layout: GroupLayout,
-                   outs: Sequence[gds.DeviceBuffer]) -> list[PageHeader | None]:
+                   outs: Sequence[DeviceBuffer]) -> list[PageHeader | None]:
         """GDS: each page's payload into device memory (``padded(payload_bytes)`` bytes at each
         ``outs[i].ptr``), verified there in one launch; a page that fails any check is a miss and
         is dropped, as on the host path. Pages are written by :meth:`put` with ``DeviceBuffer``
@@ -695,7 +443,7 @@ class DiskTier(LocalTier, ReadsInPlace):
     def put(self, pages: Sequence[tuple[PageHeader, object]], domain: str) -> list[bool]:
         r"""``pages``' payloads are host buffers, or with GDS :class:`~lmkv.tiers.gds.DeviceBuffer`\ s."""
         check_domain(domain)
-        if self.gds is None and any(isinstance(p, gds.DeviceBuffer) for _, p in pages):
+        if self.gds is None and any(isinstance(p, DeviceBuffer) for _, p in pages):
             raise ValueError(f"disk tier {self.root}: a page in device memory, and GPUDirect Storage is not in use")
         if len(pages) < 2:
             return [self._put_one(header, payload, domain) for header, payload in pages]
@@ -735,7 +483,7 @@ class DiskTier(LocalTier, ReadsInPlace):
                     self._forget(key)
                     deleted += 1
                     continue
-                _unlink(self._path(key, domain))
+                unlink(self._path(key, domain))
                 e.domains = self._domains.remove(e.domains, domain)
             return deleted
 
@@ -775,10 +523,10 @@ class DiskSession(WriteSession):
                     tmps.append(None)
                     continue
                 try:
-                    tmps.append((h, tier._write_tmp(h, memoryview(buf))))
+                    tmps.append((h, tier._files.write_tmp(h, memoryview(buf))))
                 except OSError as err:
-                    tier.stats.full += err.errno in _FULL_ERRNOS
-                    tier.stats.errors += err.errno not in _FULL_ERRNOS
+                    tier.stats.full += err.errno in FULL_ERRNOS
+                    tier.stats.errors += err.errno not in FULL_ERRNOS
                     log.warning("disk tier: session write of %s failed: %s", key_hex(h.key), err)
                     tmps.append(None)
             with tier._lock:

@@ -16,9 +16,10 @@ from lmkv.config import ConfigError, LMKVConfig, RemoteConfig
 from lmkv.lookup import HasContains
 from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import Tier
-from lmkv.tiers.disk import DiskTier, DiskView
+from lmkv.tiers.disk import DiskTier
 from lmkv.tiers.faults import faulty
 from lmkv.tiers.memory import EvictHook, MemoryTier
+from lmkv.tiers.page_files import DiskView
 from lmkv.tiers.remote import RemoteTier
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")

@@ -1,0 +1,231 @@
+"""The disk tier's files: where a page's file lives, and one page file read and written every
+way the tier needs.
+
+On disk a page is its header padded to :data:`~lmkv.page.ALIGN`, then its payload padded to
+ALIGN, so every I/O engine (buffered POSIX, O_DIRECT, cuFile) reads and writes the same files.
+
+Layout of the directory::
+
+    tmp/<key>.<pid>.<nonce>       pages being written (a dead writer's are removed at start-up)
+    d/<domain>/<k0k1>/<key>.page  one hard link per owning residency domain
+
+:class:`PageFiles` reads one file whole (buffered, or O_DIRECT through a bounce buffer where
+the caller's buffer is not aligned), into an engine's unit buffers, by ranges, or its payload
+into device memory with cuFile; and writes a page to a flushed temp file. Every read checks
+the header against the key and layout asked for and verifies what it read.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from lmkv.config import DiskConfig
+from lmkv.domains import check_domain
+from lmkv.errors import ShortReadError
+from lmkv.keys import PageKey, key_hex, parse_key_hex
+from lmkv.layout import GroupLayout
+from lmkv.page import (
+    ALIGN,
+    PageHeader,
+    as_bytes_view,
+    disk_header_bytes,
+    padded,
+    units_in_ranges,
+    unpack_header,
+    verify_payload,
+    verify_unit_buffers,
+    verify_units,
+)
+from lmkv.tiers import gds
+from lmkv.tiers.base import Range
+from lmkv.tiers.posix_io import Bounce, aligned, pid_alive, pwritev_all, read_exact
+
+SUFFIX = ".page"
+
+
+class Blocked(enum.Enum):
+    WOULD_BLOCK = "a page the page cache does not hold (read it on an I/O thread)"
+
+
+WOULD_BLOCK = Blocked.WOULD_BLOCK
+
+
+def page_path(data_dir: Path, key: PageKey, domain: str) -> str:
+    """A page's file (a string: reads open one per page, and pathlib would cost more than the read)."""
+    h = key_hex(key)
+    return f"{data_dir}/{domain}/{h[:2]}/{h}{SUFFIX}"
+
+
+def domains_in(data_dir: Path) -> list[str]:
+    """The residency domains that have a directory under ``data_dir``."""
+    try:
+        return [d.name for d in data_dir.iterdir()]
+    except OSError:
+        return []
+
+
+def remove_dead_writers(tmp_dir: Path) -> None:
+    """Remove temp files whose writer is gone (or is this process, restarted under its pid)."""
+    for tmp in tmp_dir.iterdir():
+        parts = tmp.name.split(".")
+        writer = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+        if writer is None or writer == os.getpid() or not pid_alive(writer):
+            tmp.unlink(missing_ok=True)
+
+
+def scan(data_dir: Path, log) -> Iterator[tuple[float, PageKey, str, int]]:
+    """Every page file under ``data_dir``: (mtime, key, domain, size); a malformed one is removed and
+    an unexpected directory skipped, each logged."""
+    for dom_dir in sorted(p for p in data_dir.iterdir() if p.is_dir()):
+        try:
+            check_domain(dom_dir.name)
+        except ValueError:
+            log.warning("disk tier: ignoring unexpected directory %s", dom_dir)
+            continue
+        for sub in dom_dir.iterdir():
+            for f in sub.iterdir() if sub.is_dir() else ():
+                try:
+                    key = parse_key_hex(f.name.removesuffix(SUFFIX))
+                    st = f.stat()
+                except (ValueError, OSError):
+                    continue
+                if not f.name.endswith(SUFFIX) or st.st_size < 2 * ALIGN or st.st_size % ALIGN:
+                    log.warning("disk tier: removing malformed page file %s", f)
+                    f.unlink(missing_ok=True)
+                    continue
+                yield st.st_mtime, key, dom_dir.name, st.st_size
+
+
+class DiskView:
+    """A disk tier directory seen from a process that does not own it (e.g. an engine's scheduler).
+
+    The files are the truth: a page exists when its file does. Nothing is cached,
+    so pages other processes write or evict are seen at once.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], name: str = "disk") -> None:
+        self.name = name
+        self._data = Path(path) / "d"
+
+    def contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        domains = domains_in(self._data)
+        return [any(os.path.exists(page_path(self._data, k, d)) for d in domains) for k in keys]
+
+
+class PageFiles:
+    """One page file's reads and writes for a disk tier; any thread (the bounce buffer is per thread)."""
+
+    def __init__(self, cfg: DiskConfig, tmp_dir: Path, direct: bool, gds_engine) -> None:
+        """``direct``: O_DIRECT; ``gds_engine``: cuFile (or hipFile) where payloads move to device memory."""
+        self.cfg = cfg
+        self.tmp = tmp_dir
+        self.direct = direct
+        self.gds = gds_engine
+        self._bounce = Bounce()
+
+    # -- reading -----------------------------------------------------------
+
+    def read_whole(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview, direct: bool,
+                   nowait: bool) -> PageHeader | Blocked:
+        """Header and payload in one ``preadv``: the payload straight into ``dst``, or through an
+        aligned bounce buffer where O_DIRECT cannot use ``dst`` as it is."""
+        hdr_bytes, plen = disk_header_bytes(layout), layout.payload_bytes
+        if direct and not aligned(dst, padded(plen)):
+            scratch = self._bounce.get(hdr_bytes + padded(plen))
+            read_exact(fd, [scratch], hdr_bytes + plen, nowait=False)
+            hdr = scratch[:hdr_bytes]
+            dst[:plen] = scratch[hdr_bytes : hdr_bytes + plen]
+        else:
+            hdr = self._bounce.get(hdr_bytes)
+            if not read_exact(fd, [hdr, dst[: padded(plen) if direct else plen]], hdr_bytes + plen, nowait):
+                return WOULD_BLOCK
+        header = unpack_header(hdr, expect_key=key, layout=layout)
+        verify_payload(header, layout, dst)
+        return header
+
+    def read_to_device(self, fd: int, key: PageKey, layout: GroupLayout, out: gds.DeviceBuffer) -> PageHeader:
+        """GDS: the header into a host buffer (parsed and checked here), the payload with cuFile
+        into device memory; its digests are checked on the device by the tier."""
+        assert self.gds is not None
+        header = self.read_header(fd, key, layout)
+        self.gds.read(fd, out.ptr, padded(layout.payload_bytes), disk_header_bytes(layout))
+        return header
+
+    def read_units(self, fd: int, key: PageKey, layout: GroupLayout, units: list,
+                   nowait: bool) -> PageHeader | Blocked:
+        """Header and payload in one ``preadv``, each unit into its own buffer (an engine's block rows)."""
+        hdr_bytes = disk_header_bytes(layout)
+        hdr = self._bounce.get(hdr_bytes)
+        if not read_exact(fd, [hdr, *units], hdr_bytes + layout.payload_bytes, nowait):
+            return WOULD_BLOCK
+        header = unpack_header(hdr, expect_key=key, layout=layout)
+        verify_unit_buffers(header, layout, units)
+        return header
+
+    def read_header(self, fd: int, key: PageKey, layout: GroupLayout) -> PageHeader:
+        """The page's header alone (its padded block at the file's start), parsed and checked."""
+        hdr_bytes = disk_header_bytes(layout)
+        hdr = self._bounce.get(hdr_bytes)
+        if os.preadv(fd, [hdr], 0) < hdr_bytes:
+            raise ShortReadError("page header is truncated")
+        return unpack_header(hdr, expect_key=key, layout=layout)
+
+    def read_ranges(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview,
+                    ranges: Sequence[Range]) -> PageHeader:
+        """The header, then each range into ``dst`` at its page offset; only those units are verified."""
+        hdr_bytes = disk_header_bytes(layout)
+        header = self.read_header(fd, key, layout)
+        for start, end in ranges:
+            if os.preadv(fd, [dst[start:end]], hdr_bytes + start) < end - start:
+                raise ShortReadError(f"range [{start}, {end}) is truncated")
+        verify_units(header, layout, dst, units_in_ranges(layout, ranges))
+        return header
+
+    # -- writing -----------------------------------------------------------
+
+    def _header_block(self, packed: bytes, hdr_bytes: int) -> memoryview:
+        """A packed header zero-padded to its on-disk size, in this thread's aligned bounce buffer."""
+        hdr = self._bounce.get(hdr_bytes)
+        hdr[: len(packed)] = packed
+        hdr[len(packed) :] = bytes(hdr_bytes - len(packed))
+        return hdr
+
+    def write_tmp(self, header: PageHeader, payload) -> Path:
+        """Write one page to a temp file, flushed (``disk.fsync``); raises OSError (the temp file
+        removed) on failure."""
+        hdr_bytes = header.disk_header_bytes
+        plen = header.payload_len
+        tmp = self.tmp / f"{key_hex(header.key)}.{os.getpid()}.{uuid.uuid4().hex}"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | (os.O_DIRECT if self.direct else 0), 0o644)
+        try:
+            packed = header.pack()
+            if isinstance(payload, gds.DeviceBuffer):  # GDS: the header from here, the payload with cuFile
+                assert self.gds is not None
+                pwritev_all(fd, [self._header_block(packed, hdr_bytes)])
+                self.gds.write(fd, payload.ptr, padded(plen), hdr_bytes)
+                iov = []
+            elif self.direct and aligned(src := as_bytes_view(payload), padded(plen)):
+                iov = [self._header_block(packed, hdr_bytes), src[: padded(plen)]]
+            else:
+                src = as_bytes_view(payload)
+                total = hdr_bytes + padded(plen)
+                scratch = self._bounce.get(total)
+                scratch[: len(packed)] = packed
+                scratch[len(packed) : hdr_bytes] = bytes(hdr_bytes - len(packed))
+                scratch[hdr_bytes : hdr_bytes + plen] = src[:plen]
+                scratch[hdr_bytes + plen :] = bytes(total - hdr_bytes - plen)
+                iov = [scratch]
+            if iov:
+                pwritev_all(fd, iov)
+            if self.cfg.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return tmp
