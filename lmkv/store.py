@@ -21,7 +21,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from lmkv.layout import GroupLayout
 from lmkv.lookup import Lookup, locate, prefix_lookup, tier_failed
 from lmkv.metrics import Metrics
 from lmkv.page import PageHeader, copy_units, make_header
+from lmkv.retries import RetryQueue, WriteStats
 from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import LocalTier, Tier, WriteSession, in_place_reader
 from lmkv.tiers.disk import DiskTier
@@ -104,19 +104,6 @@ class Landing:
             found[i] = h
 
 
-@dataclass
-class WriteStats:
-    """Copies down to lower tiers that failed, were retried from memory, or were given up."""
-
-    failed: int = 0
-    retried: int = 0
-    dropped: int = 0
-
-    @property
-    def queued(self) -> int:
-        return self.failed - self.retried - self.dropped
-
-
 def tier_read(tier: Tier, call: Callable[..., list[T]], *args) -> list[T] | None:
     """A call on a tier's read path; a tier that fails is counted and logged, and holds nothing for
     this read (``None``): the caller's other tiers serve, or the engine recomputes."""
@@ -143,8 +130,7 @@ class TieredStore:
         self._pool = ThreadPoolExecutor(cfg.store.io_threads, thread_name_prefix="lmkv-io")
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
-        self._retry: dict[str, OrderedDict[PageKey, str]] = {}  # tier -> key -> domain, oldest first
-        self._retry_lock = threading.Lock()
+        self.retries = RetryQueue(cfg.store.retry_pages, cfg.store.failed_writes == "retry", self.writes)
 
     # -- lookup ------------------------------------------------------------
 
@@ -349,59 +335,15 @@ class TieredStore:
         try:
             stored = tier.put(pages, domain)
         except PartlyStoredError as err:  # a cluster node is down (its health logged it): only its pages failed
-            self._write_failed(tier, [pages[i][0].key for i in err.unreachable], domain, from_memory)
+            self.retries.failed(tier.name, [pages[i][0].key for i in err.unreachable], domain, from_memory)
             return err.stored
         except (LMKVError, OSError) as err:
             tier_failed(tier, "write", err)
-            self._write_failed(tier, [h.key for h, _ in pages], domain, from_memory)
+            self.retries.failed(tier.name, [h.key for h, _ in pages], domain, from_memory)
             return [False] * len(pages)
-        if self._retry.get(tier.name):
-            self._run_retries(tier)
+        if self.retries.pending(tier.name):
+            self.retries.run(tier, self.memory)
         return stored
-
-    def _write_failed(self, tier: Tier, keys: list[PageKey], domain: str, from_memory: bool) -> None:
-        self.writes.failed += len(keys)
-        if from_memory and self.cfg.store.failed_writes == "retry":
-            self._queue_retry(tier.name, keys, domain)
-        else:
-            self.writes.dropped += len(keys)
-
-    def _queue_retry(self, tier: str, keys: Sequence[PageKey], domain: str) -> None:
-        cap = self.cfg.store.retry_pages
-        with self._retry_lock:
-            q = self._retry.setdefault(tier, OrderedDict())
-            for k in keys:
-                q[k] = domain
-                q.move_to_end(k)
-            while len(q) > cap:
-                q.popitem(last=False)
-                self.writes.dropped += 1
-
-    def _run_retries(self, tier: Tier) -> None:
-        """The tier took a write: copy down what it refused before, from memory, a batch at a time."""
-        with self._retry_lock:
-            q = self._retry.get(tier.name)
-            batch = [q.popitem(last=False) for _ in range(min(len(q), 256))] if q else []
-        by_domain: dict[str, list[PageKey]] = {}
-        for k, d in batch:
-            by_domain.setdefault(d, []).append(k)
-        for domain, keys in by_domain.items():
-            with self.memory.borrow(keys, count=False) as lease:
-                pages = [(h, v) for h, v in zip(lease.headers, lease.views) if h is not None]
-                self.writes.dropped += len(keys) - len(pages)  # memory evicted them meanwhile
-                if not pages:
-                    continue
-                try:
-                    ok = tier.put(pages, domain)
-                except PartlyStoredError as err:
-                    self._queue_retry(tier.name, [pages[i][0].key for i in err.unreachable], domain)
-                    self.writes.retried += sum(err.stored)
-                    return
-                except (LMKVError, OSError) as err:
-                    tier_failed(tier, "write", err)
-                    self._queue_retry(tier.name, [h.key for h, _ in pages], domain)
-                    return
-                self.writes.retried += sum(ok)
 
     def _demote(self, evicted: list[tuple[PageHeader, np.ndarray, list[str]]]) -> None:
         """Memory evicted these pages: keep them in the next tier down, unless it holds them already

@@ -121,7 +121,7 @@ FLOORS = {
     # where pages live; the prefix rule over anything that holds pages
     "lmkv.tiers": 2, "lmkv.lookup": 2,
     # the tiers used as one
-    "lmkv.store": 3, "lmkv.metrics": 3,
+    "lmkv.store": 3, "lmkv.retries": 3, "lmkv.metrics": 3,
     # lazy offload's policy (its trace-driven evaluation sits on top)
     "lmkv.offload": 4,
     # the engine-facing half, and its GPU copier beside the CPU one
