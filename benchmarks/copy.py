@@ -4,7 +4,7 @@ An engine's layers are views ``[blocks, heads, tokens, 2 * head]`` over one allo
 in vLLM's token-major (``LBNHC``, its default) or head-major (``LBHNC``) physical
 layout; ``pages`` random blocks of every layer are gathered into pages in a memory-tier
 arena (pinned on a GPU machine) and scattered back into other blocks, one layer at a
-time as the worker does, through the copier the worker uses (:func:`lmkv.engine.worker.layer_copier`:
+time as the worker does, through the copier the worker uses (:func:`lmkv.engine.copier.layer_copier`:
 lmkv's CUDA kernel on a GPU, the torch/numpy path on a CPU).
 
 - ``gather.<layout>`` / ``scatter.<layout>``: GB/s; baseline: one contiguous copy of the
@@ -23,7 +23,7 @@ import torch
 
 from lmkv.benchmarks.report import Report, gbps, interleaved, timed
 from lmkv.engine.blockcopy import LayerBlocks, block_runs
-from lmkv.engine.worker import layer_copier
+from lmkv.engine.copier import layer_copier
 from lmkv.tiers.arena import HostArena
 
 log = logging.getLogger("lmkv.bench.copy")

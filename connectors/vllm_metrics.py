@@ -16,7 +16,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from lmkv.engine.scheduler import SchedulerStats
-from lmkv.engine.worker import TransferCounts
+from lmkv.engine.transfer_stats import TransferCounts
 from lmkv.metrics import TIER_COUNTERS
 
 TRANSFER_DOCS = {

@@ -420,7 +420,7 @@ def test_blocks_of_a_request_aborted_mid_load_go_to_no_one_until_its_load_return
         assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS and reading.wait(5)
         (held,) = h.sched.kv_cache_manager.get_block_ids("b")
         h.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
-        load = h.worker.worker._async["b"]
+        load = h.worker.worker.background.loads["b"]
         c = h.request("c", tokens(200, 12), max_tokens=2)  # 13 blocks: more than are free while b's are held
         h.sched.add_request(c)
         deadline = time.time() + 30

@@ -197,7 +197,7 @@ def _logged(w: LayerwiseTransfer) -> _Log:
     log = _Log()
     fake = SimpleNamespace(step=_FakeStreams("step", log), background=_FakeStreams("background", log))
     fake.compute = lambda: _FakeStreams("compute", log)
-    w._streams = fake
+    w.copier.streams = fake
     for layer, lb in enumerate(w.layers[0]):
         for kind in ("gather", "scatter"):
             real = getattr(lb, kind)

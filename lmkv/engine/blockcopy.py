@@ -12,7 +12,7 @@ numpy, which moves small rows at several times torch's per-call speed; runs of
 consecutive blocks whose pages sit at one stride in memory (:func:`block_runs`) are
 one strided torch copy per layer. Any other layout is copied through torch's strided
 views. This is the reference the CUDA/HIP kernels are tested against; the worker
-(:func:`lmkv.engine.worker.layer_copier`) picks the kernel for a GPU layer where it applies.
+(:func:`lmkv.engine.copier.layer_copier`) picks the kernel for a GPU layer where it applies.
 """
 
 from __future__ import annotations
