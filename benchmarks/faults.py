@@ -37,6 +37,8 @@ MODEL: dict[str, Any] = dict(hidden_size=512, intermediate_size=1408, num_attent
 
 @dataclass
 class Shape:
+    """The run's size: model, prompts and requests (``--quick`` runs a smaller one)."""
+
     docs: int
     doc_tokens: int
     questions: int

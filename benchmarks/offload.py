@@ -74,6 +74,8 @@ def _scale_trace(running: int, prompt: int, out: int) -> list[TraceRequest]:
 
 @dataclass(frozen=True)
 class Task:
+    """One replay of the offload bench: a trace family, a seed, a KV budget, the policies compared."""
+
     family: str  # "gen" or "mooncake"
     seed: int  # gen: the generator's seed; mooncake: 0
     factor: float

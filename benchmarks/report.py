@@ -26,6 +26,8 @@ def lmkv_version() -> str:
 
 @dataclass
 class Metric:
+    """One figure of a bench, beside the baseline measured in the same run (and their ratio)."""
+
     value: float
     unit: str
     baseline: float | None = None
@@ -49,6 +51,8 @@ class Metric:
 
 @dataclass
 class Report:
+    """A bench's figures and parameters, printed as text or as one JSON object (``--json``)."""
+
     bench: str
     params: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Metric] = field(default_factory=dict)

@@ -55,6 +55,8 @@ log = logging.getLogger("lmkv.bench.vllm")
 
 @dataclass
 class Shape:
+    """The run's size: model, prompt and workload lengths, repeats (``--quick`` runs a smaller one)."""
+
     model: dict
     prompt_tokens: int
     docs: int

@@ -62,6 +62,8 @@ log = logging.getLogger("lmkv.vllm")
 
 @dataclass
 class LMKVConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side sends the workers each step: the step's plan (loads, stores, drops)."""
+
     plan: StepPlan = field(default_factory=StepPlan)
 
 
@@ -156,6 +158,15 @@ def _spans(request: Request) -> list[Span]:
 
 
 class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """lmkv as vLLM's KV connector: one instance per role (the scheduler's, and each worker's).
+
+    vLLM calls the scheduler-side hooks on its scheduler thread (lookups, allocations, the step's
+    plan, finished requests, the workers' outputs) and the worker-side hooks on the model runner's
+    thread around each forward. The scheduler side decides in keys and block ids
+    (:class:`lmkv.engine.scheduler.OffloadScheduler`); the worker side moves bytes
+    (:class:`lmkv.engine.worker.LayerwiseTransfer`). Built when the engine starts; :meth:`shutdown`
+    releases the store (shared by both roles in one process)."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})

@@ -42,6 +42,8 @@ SCHEDULER_DOCS = {
 
 
 class LMKVPromMetrics(KVConnectorPromMetrics):
+    """lmkv's counters as ``vllm:lmkv_*_total`` Prometheus counters, fed vLLM's summed connector stats each step."""
+
     def __init__(self, vllm_config, metric_types, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)

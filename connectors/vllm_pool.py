@@ -24,6 +24,12 @@ log = logging.getLogger(__name__)
 
 
 class VllmFreeQueue:
+    """vLLM's ``BlockPool`` free queue as lazy offload's :class:`~lmkv.offload.lazy.FreeQueue`.
+
+    Read on vLLM's scheduler thread, between steps; it never moves a block in the queue. It counts
+    what the engine takes from and puts back at the head, so walks can start past the run of
+    never-used blocks a large pool begins with."""
+
     def __init__(self, pool) -> None:
         self.pool = pool
         #: cached blocks ``get_new_blocks`` handed out since :meth:`take_reused` (block id -> the hash it

@@ -26,6 +26,8 @@ import xxhash
 
 
 class StateKind(str, enum.Enum):
+    """What a cache group holds: full attention, a sliding window, MLA latents, or Mamba state."""
+
     FULL_ATTENTION = "full_attention"
     SLIDING_WINDOW = "sliding_window"
     MLA = "mla"

@@ -50,6 +50,8 @@ def padded(n: int, align: int = ALIGN) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PageHeader:
+    """A page's header: its key, layout fingerprint, payload length and one digest per (layer, segment) unit."""
+
     key: PageKey
     layout_fp: int
     payload_len: int

@@ -115,6 +115,12 @@ def tier_read(tier: Tier, call: Callable[..., list[T]], *args) -> list[T] | None
 
 
 class TieredStore:
+    """The tiers used as one: memory first, then disk, then a network tier.
+
+    Thread-safe; the engine's threads call it directly and its own I/O threads run write-through
+    copies and asynchronous calls (:meth:`submit`). Opened with the configured tiers; :meth:`close`
+    finishes background writes (flushing memory down under write-back) and closes the tiers."""
+
     def __init__(self, cfg: LMKVConfig, lower: Sequence[Tier] = (),
                  accounts: Mapping[str, Accounts] | None = None) -> None:
         """Memory first, then the disk tier if configured, then ``lower`` tiers, then ``remote.url``'s

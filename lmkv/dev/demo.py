@@ -31,6 +31,8 @@ DEMO_MODEL: dict[str, Any] = dict(hidden_size=512, intermediate_size=1408, num_a
 
 @dataclass
 class DemoArgs:
+    """The demo's settings (model size, prompt length, tiers), from ``lmkv demo``'s options."""
+
     docs: int = 4
     doc_tokens: int = 4096
     disk: str | None = None

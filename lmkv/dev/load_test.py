@@ -28,6 +28,8 @@ from lmkv.tiers.server_client import ServerTier
 
 @dataclass
 class LoadResult:
+    """What a load test against ``lmkv serve`` saw: requests, pages checked, lost or corrupt pages, errors."""
+
     clients: int
     seconds: float
     ops: int = 0

@@ -52,6 +52,8 @@ def placement_of(tier: str) -> Placement:
 
 @dataclass(frozen=True, slots=True)
 class PageEvent:
+    """A page stored in or removed from a tier (``where``: its medium and locality), for KV events."""
+
     stored: bool  # False: removed
     info: Any  # the adapter's description of the page (from expect)
     where: Placement
@@ -64,6 +66,12 @@ class _Held:
 
 
 class EventLog:
+    """What lmkv holds where, for KV-aware routers: pages stored once committed, removed when a tier lets them go.
+
+    Fed by the scheduler side (the pages a step is expected to store) and the workers' residency
+    reports; lower tiers are audited now and then for what they dropped by themselves. One
+    thread (the scheduler's) uses it."""
+
     def __init__(self, max_expected: int = 1 << 16, max_held: int = 1 << 20) -> None:
         self._expected: OrderedDict[PageKey, Any] = OrderedDict()
         self._held: OrderedDict[PageKey, _Held] = OrderedDict()

@@ -26,6 +26,8 @@ class PageOp:
 
 @dataclass
 class StepPlan:
+    """What the workers do in one step: loads (layerwise, or in the background), stores, rescues, drops."""
+
     loads: list[PageOp] = field(default_factory=list)  # layerwise, during this step's forward
     async_loads: list[PageOp] = field(default_factory=list)  # in the background; the request waits
     stores: list[PageOp] = field(default_factory=list)

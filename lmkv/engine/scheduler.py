@@ -65,6 +65,8 @@ def _pages(tokens: int, tpp: int) -> int:
 
 @dataclass
 class RequestState:
+    """What the scheduler side knows of one request: its keys, what it loads, what of it is stored."""
+
     req_id: str
     seq: SequenceKeys
     local_pages: int = 0  # pages the engine had itself at the last lookup
@@ -82,6 +84,8 @@ class RequestState:
 
 @dataclass
 class SchedulerStats:
+    """The scheduler side's counts: lookups, planned loads and stores (reported in the engine's stats)."""
+
     lookups: int = 0  # a waiting request is looked up again every step it waits
     loaded_tokens: int = 0  # tokens planned for loading (tier hits the engine took)
     stored_pages: int = 0  # pages planned for storing
@@ -110,6 +114,13 @@ class Residency(Protocol):
 
 
 class OffloadScheduler:
+    """The scheduler side of lmkv, engine-agnostic: lookups, load and store plans, finalization.
+
+    An engine adapter calls it on the engine's scheduler thread: a lookup per waiting request, the
+    blocks it was given, once per step the scheduled requests (:meth:`build_plan`), finished
+    requests and the workers' reports (failed pages, measured rates). It asks a
+    :class:`Residency` what is held and never moves bytes."""
+
     def __init__(
         self,
         store: Residency,

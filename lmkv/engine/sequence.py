@@ -25,6 +25,8 @@ class Span:
 
 @dataclass
 class SequenceKeys:
+    """A request's page chain hashes and per-group page keys, hashed incrementally as its tokens grow."""
+
     space: KeySpace
     tokens_per_page: int
     spans: tuple[Span, ...] = ()

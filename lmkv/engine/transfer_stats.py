@@ -17,6 +17,8 @@ from lmkv.keys import ChainHash
 
 @dataclass
 class TransferCounts:
+    """The worker's transfer counts (pages and bytes loaded, failed, stored; tokens recomputed)."""
+
     loaded_pages: int = 0
     loaded_bytes: int = 0
     failed_pages: int = 0

@@ -195,6 +195,8 @@ class _Mark:
 
 @dataclass
 class LazyStats:
+    """Lazy offload's decisions, by kind (planned, rescued, unlikely, unreachable, ...)."""
+
     planned: int = 0
     closure_added: int = 0
     unreachable: int = 0

@@ -51,6 +51,8 @@ def _wilson(p: float, n: float, side: int) -> float:
 
 @dataclass
 class Counts:
+    """Outcomes of one class of blocks: how many came due, how many were needed again."""
+
     needed: float = 0.0  # blocks needed again from a tier
     blocks: float = 0.0  # blocks settled
     sources: float = 0.0  # distinct lineages among them: the independent observations

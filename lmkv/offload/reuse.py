@@ -92,6 +92,8 @@ def idle_bucket(idle: int) -> int:
 
 @dataclass
 class Family:
+    """Requests that share a first page (one application's): how often they repeat an earlier prompt."""
+
     shared: list[EngineBlockKey]  # the pages every request of the family began with so far
     repeats: int = 0  # requests most of whose pages were used before
     steps: list[int] = field(default_factory=list)  # when its latest requests came, oldest first
@@ -120,6 +122,8 @@ class Family:
 
 @dataclass
 class Lineage:
+    """One session's requests, each continuing the last one's answer (agent-like) or branching beside it."""
+
     requests: int = 0
     leaf: EngineBlockKey | None = None  # the latest request's last page (once it finished: its answer's)
     extends: int = 0

@@ -44,6 +44,8 @@ from lmkv.tiers.link import ema
 
 @dataclass
 class SimConfig:
+    """A replay's settings: the KV budget, the policy and its offload settings, the copy link, evaluation options."""
+
     num_blocks: int
     block_size: int = 32
     page_bytes: int = 256 << 10
@@ -67,6 +69,8 @@ class SimConfig:
 
 @dataclass
 class SimResult:
+    """What a replay measured: bytes written, hits from tiers and from vLLM's cache, blocks lost, wasted writes."""
+
     policy: str
     steps: int = 0
     bytes_written: int = 0

@@ -43,6 +43,8 @@ SCHEMA = pa.schema([
 
 @dataclass
 class TraceRequest:
+    """One request of a trace: its arrival, its prompt's blocks (as hash ids) and its answer's length."""
+
     id: str
     arrival: int
     session: str

@@ -40,6 +40,8 @@ ADMIN = "admin"
 
 @dataclass(frozen=True)
 class Tenant:
+    """Who a token is: its name, the namespaces it may use, its quota, whether it is the admin."""
+
     name: str
     token: str | None
     namespaces: tuple[str, ...]  # exact names; one ending in '*' grants every name it begins

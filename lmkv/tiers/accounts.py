@@ -31,6 +31,8 @@ class Limit:
 
 @dataclass(slots=True)
 class Usage:
+    """Bytes and pages an account holds in a tier."""
+
     bytes: int = 0
     pages: int = 0
 
@@ -42,6 +44,10 @@ def one_account(domain: str) -> str:
 
 @dataclass
 class Accounts:
+    """Who pages are charged to in a tier (a tenant's residency domains), their usage and limits.
+
+    Used under the owning tier's lock."""
+
     limits: Mapping[str, Limit] = field(default_factory=dict)
     account_of: Callable[[str], str] = one_account
     usage: dict[str, Usage] = field(default_factory=dict)

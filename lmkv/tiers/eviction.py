@@ -36,6 +36,8 @@ class EvictionPolicy(ABC):
 
 
 class LRUPolicy(EvictionPolicy):
+    """Least recently used first."""
+
     def __init__(self) -> None:
         self._order: OrderedDict[PageKey, None] = OrderedDict()
 

@@ -34,6 +34,9 @@ class Link:
 
 
 class LinkRates:
+    """Each tier's measured read rate and request time, and the copy-out rate: what the layerwise path
+    and lazy offload's drain cap read."""
+
     def __init__(self) -> None:
         self._links: dict[str, Link] = {}
         self._lock = threading.Lock()

@@ -48,6 +48,8 @@ SUFFIX = ".page"
 
 
 class Blocked(enum.Enum):
+    """A read that the page cache alone could not serve (``RWF_NOWAIT``)."""
+
     WOULD_BLOCK = "a page the page cache does not hold (read it on an I/O thread)"
 
 

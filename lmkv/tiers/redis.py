@@ -145,6 +145,12 @@ def node_client(node: str, kwargs: dict[str, Any]) -> aredis.Redis:
 
 
 class RedisTier(RemoteTier):
+    """Redis, Redis Cluster or Valkey as a tier: a payload key and a header key per page, one hash slot.
+
+    Thread-safe: reads run on the caller's thread on redis-py's blocking client; writes and
+    cluster calls on an asyncio loop of its own, each node with its own client and health.
+    Connects lazily (an engine starts while Redis is down); :meth:`close` stops the loop."""
+
     def __init__(self, cfg: RemoteConfig, name: str = "redis") -> None:
         super().__init__(name, cfg)
         self.cluster = is_cluster(cfg)

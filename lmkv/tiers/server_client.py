@@ -79,6 +79,12 @@ def parse_url(url: str) -> tuple[str, int, bool]:
 
 
 class ServerTier(RemoteTier):
+    """``lmkv serve`` as a tier: a pool of connections, shared memory on the server's host.
+
+    Thread-safe: each caller takes a connection from the pool for its request. Connections open on
+    first use (an engine starts while the server is down); one given up on mid-request is reaped
+    in the background (:meth:`_reap`); :meth:`close` closes the idle ones."""
+
     def __init__(self, cfg: RemoteConfig, namespace: str = "default", name: str = "server") -> None:
         super().__init__(name, cfg)
         self.host, self.port, self.tls = parse_url(cfg.url or "")

@@ -55,6 +55,8 @@ def is_loopback(host: str) -> bool:
 
 
 class Op(enum.IntEnum):
+    """A request's operation code."""
+
     HELLO = 1
     EXISTS = 2
     GET = 3
@@ -81,6 +83,8 @@ class RemoteError(LMKVError):
 
 
 class LayoutMsg(msgspec.Struct, array_like=True):
+    """A group layout on the wire (a GET names the layout its pages must have)."""
+
     name: str
     kind: str
     num_layers: int
@@ -137,14 +141,20 @@ class HelloReply(msgspec.Struct):
 
 
 class Keys(msgspec.Struct):
+    """The keys of an EXISTS or DELETE."""
+
     keys: list[bytes]
 
 
 class Exists(msgspec.Struct):
+    """EXISTS' answer: per key, whether the server holds it."""
+
     present: list[bool]
 
 
 class Get(msgspec.Struct):
+    """A GET: pages (or ranges of them) of one layout, into the bulk, the shared window or the client's arena."""
+
     keys: list[bytes]
     layout: LayoutMsg
     ranges: list[tuple[int, int]] | None = None  # None: whole payloads
@@ -153,10 +163,14 @@ class Get(msgspec.Struct):
 
 
 class GetReply(msgspec.Struct):
+    """GET's answer: per key, its packed header or ``None`` (missing); found pages' bytes follow."""
+
     headers: list[bytes | None]  # packed headers; bulk carries the found pages' bytes in order
 
 
 class Put(msgspec.Struct):
+    """A PUT: pages' headers, their payloads in the bulk, the shared window or the client's arena."""
+
     headers: list[bytes]  # packed headers; bulk (or the window, from 0) carries the payloads in order
     domain: str
     shm: bool = False  # payloads back to back from 0 of the client's window
@@ -164,6 +178,8 @@ class Put(msgspec.Struct):
 
 
 class Stored(msgspec.Struct):
+    """PUT's answer: per page, whether it was stored."""
+
     stored: list[bool]
 
 
@@ -176,18 +192,26 @@ class Clear(msgspec.Struct):
 
 
 class Count(msgspec.Struct):
+    """How many pages a DELETE or CLEAR removed."""
+
     count: int
 
 
 class Stats(msgspec.Struct):
+    """STATS' answer: per tier (or tenant), its counters and occupancy."""
+
     tiers: dict[str, dict[str, int]]
 
 
 class Empty(msgspec.Struct):
+    """A request or answer without fields (PING, STATS)."""
+
     pass
 
 
 class ErrorReply(msgspec.Struct):
+    """A refused request's reason."""
+
     error: str
 
 

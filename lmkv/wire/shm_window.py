@@ -35,6 +35,8 @@ MARKER = b"F"
 
 @dataclass
 class Window:
+    """A sealed memfd mapped here: its descriptor, its mapping and its bytes."""
+
     fd: int
     map: mmap.mmap
     buf: np.ndarray  # the window's bytes
