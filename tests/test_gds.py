@@ -10,6 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 from conftest import flip_byte, layerwise_load, make_pages
+from support.host_gds import HostCuFile, HostStaging
 
 from lmkv.config import DiskConfig
 from lmkv.page import disk_header_bytes, padded
@@ -135,50 +136,6 @@ def test_bench_gds_reports_why_it_did_not_run_or_its_figures(tmp_path):
                 assert m["value"] > 0 and m["baseline"] > 0 and m["baseline_what"]
 
 
-# -- the worker's GDS path ------------------------------------------------------------------------
-
-class _HostCuFile:
-    """cuFile's interface over host memory: this machine has no GPU, so the "device" addresses are
-    host ones and reads are preadv. It lets the store's routing run here; the real engine is
-    tested on a GPU below."""
-
-    device = 0
-
-    def read(self, fd: int, ptr: int, nbytes: int, file_offset: int, buf_offset: int = 0) -> None:
-        import ctypes
-        import os
-
-        if os.preadv(fd, [(ctypes.c_char * nbytes).from_address(ptr + buf_offset)], file_offset) != nbytes:
-            raise OSError("short read")
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        pass
-
-    def deregister(self, ptr: int) -> None:
-        pass
-
-
-class _HostStaging:
-    def __init__(self, io, slot: int, slots: int) -> None:
-        import mmap
-
-        from lmkv.tiers.device_staging import StagingLease
-
-        self.io, self.slot = io, padded(slot)
-        self.buf = np.frombuffer(mmap.mmap(-1, self.slot * slots), np.uint8)  # aligned, as O_DIRECT needs
-        self._free = [self.buf.ctypes.data + i * self.slot for i in range(slots)]
-        self._lease = StagingLease
-
-    def take(self, n: int):
-        got, self._free = self._free[:n], self._free[n:]
-        return self._lease(got, self)
-
-    def give_back(self, ptrs) -> None:
-        self._free.extend(ptrs)
-
-    def page(self, ptr: int, n: int) -> np.ndarray:
-        off = ptr - self.buf.ctypes.data
-        return self.buf[off : off + n]
 
 
 def test_the_store_reads_gds_pages_into_staging_slots_and_the_rest_into_memory(tmp_path, layout, monkeypatch):
@@ -200,8 +157,8 @@ def test_the_store_reads_gds_pages_into_staging_slots_and_the_rest_into_memory(t
                       environ={})
     with TieredStore(cfg) as store:
         disk = store.tiers[1]
-        disk.gds = _HostCuFile()
-        staging = _HostStaging(disk.gds, layout.payload_bytes, 3)
+        disk.gds = HostCuFile()
+        staging = HostStaging(disk.gds, layout.payload_bytes, 3)
         keys, payloads, pages = make_pages(layout, 6)
         disk.put(pages, "e")
         store.memory.put([pages[0]], "e")  # a memory hit

@@ -245,11 +245,11 @@ def test_a_gds_fetch_hands_back_no_staging_slot_a_read_is_still_filling(tmp_path
     as in test_gds.py): one page's file cannot be opened, the others' reads are slow. The fetch
     returns, and its slots go back, only once every read returned: bytes written into the slots
     after that (a marker here) stay as written."""
-    from test_gds import _HostCuFile, _HostStaging
+    from support.host_gds import HostCuFile, HostStaging
 
     from lmkv.cuda import digests
 
-    class SlowCuFile(_HostCuFile):
+    class SlowCuFile(HostCuFile):
         def read(self, *a, **kw) -> None:
             time.sleep(0.3)
             super().read(*a, **kw)
@@ -259,7 +259,7 @@ def test_a_gds_fetch_hands_back_no_staging_slot_a_read_is_still_filling(tmp_path
     with TieredStore(cfg) as store:
         disk = store.tiers[1]
         disk.gds = SlowCuFile()
-        staging = _HostStaging(disk.gds, layout.payload_bytes, 4)
+        staging = HostStaging(disk.gds, layout.payload_bytes, 4)
         keys, _, pages = make_pages(layout, 4)
         disk.put(pages, "e")
         real_open = disk._open_any

@@ -14,16 +14,16 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402  (after tests.sglang_pools set up the import)
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402  (after support.sglang_pools set up the import)
     HiCacheStorageConfig,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from support.sglang_pools import fill_random, mamba_host, mha_host, mla_host, snapshot, zero
 
 from lmkv.layout import StateKind
-from tests.sglang_pools import fill_random, mamba_host, mha_host, mla_host, snapshot, zero
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 P = 4  # tokens per page
@@ -414,7 +414,7 @@ sys.path.insert(0, {tests!r})
 from test_sglang_backend import attach, backend, mha_host, page_hashes, P
 from pathlib import Path
 host = mha_host("page_first_direct")
-from sglang_pools import fill_random
+from support.sglang_pools import fill_random
 fill_random(host, seed=1)
 b = attach(backend(Path({tmp!r})), kv=host)
 print(b.batch_set_v1(page_hashes(8), torch.arange(0, 8 * P)).count(True), flush=True)

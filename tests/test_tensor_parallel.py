@@ -12,7 +12,7 @@ import pytest
 
 from lmkv.dev.server_process import spawn
 
-RANK = Path(__file__).with_name("tp_rank.py")
+RANK = Path(__file__).parent / "support" / "tp_rank.py"
 
 
 def _rank(rank: int, phase: str, cfg: dict) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_engine import BLOCK, engine, generate, lmkv_stats, prompt, run, scraped  # noqa: E402
+from support.vllm_engine import BLOCK, engine, generate, lmkv_stats, prompt, run, scraped  # noqa: E402
 
 from lmkv.dev.tinymodels import make_llama  # noqa: E402
 

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_engine import BLOCK, prompt
+from support.vllm_engine import BLOCK, prompt
 
 from lmkv.dev.redis_server import free_port
 from lmkv.dev.tinymodels import make_llama

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_engine import BLOCK, engine, lmkv_stats, prompt, run  # noqa: E402
+from support.vllm_engine import BLOCK, engine, lmkv_stats, prompt, run  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -1,6 +1,6 @@
 """One tensor-parallel rank, run as its own process by test_tensor_parallel.py.
 
-    python tests/tp_rank.py RANK store|load CONFIG_JSON
+    python tests/support/tp_rank.py RANK store|load CONFIG_JSON
 
 Two groups: ``attn`` is sharded by heads (each rank holds different bytes), ``latent`` is
 replicated on both ranks (equal bytes). ``store`` copies 4 blocks of each group out of
