@@ -182,8 +182,8 @@ def test_store_shares_pages_through_redis(redis_cluster, layout):
 
 
 def test_bad_urls_are_config_errors():
-    with pytest.raises(ConfigError, match="unknown scheme"):
-        open_remote(RemoteConfig(url="http://x"))
+    with pytest.raises(ConfigError, match="unknown scheme 'http'"):  # (refused by the configuration itself)
+        load_config({"remote": {"url": "http://x"}}, environ={})
     with pytest.raises(ConfigError, match="host:port"):
         open_remote(RemoteConfig(url="redis-cluster://nohostport"))
 
