@@ -2,7 +2,7 @@
 # The test command (README, .ci/run): install what tests need, then run them all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+bash scripts/install_test.sh
 bash scripts/install_vllm033.sh
 # Lint and type checks first: they take seconds and name the line.
 bash scripts/lint.sh

@@ -12,6 +12,7 @@ TTFT is the wall time of a one-token generation, so it is prefill plus one step.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ def _ttft(llm, tokens: list[int]) -> tuple[float, list[int]]:
 def run(args: DemoArgs) -> int:
     import vllm  # noqa: F401  (first: without vLLM there is nothing to demo, and no model is made)
 
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (the demo's output is the demo's)
     prepare_env()
     console = Console()
     disk = args.disk or tempfile.mkdtemp(prefix="lmkv-demo-disk-")
