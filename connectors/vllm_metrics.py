@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from lmkv.engine.scheduler import SchedulerStats
 from lmkv.engine.transfer_stats import TransferCounts
-from lmkv.metrics import TIER_COUNTERS
+from lmkv.metrics import TIER_COUNTERS, MetricDoc
 
 TRANSFER_DOCS = {
     "loaded_pages": "pages loaded into the engine's KV cache",
@@ -41,6 +41,26 @@ SCHEDULER_DOCS = {
 }
 
 
+_LAZY = ("lazy_offload_decisions", "lazy offload's decisions, by kind (planned, rescued, unlikely: not copied, ...)")
+_TIER_BYTES = ("tier_bytes", "payload bytes moved per tier and direction")
+
+
+def _spec() -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """(stats key, metric name without ``vllm:lmkv_`` and ``_total``, meaning, own labels) of every
+    counter; a key ending in ``.*`` stands for the keys it prefixes."""
+    out: list[tuple[str, str, str, tuple[str, ...]]] = [(k, k, doc, ()) for k, doc in TRANSFER_DOCS.items()]
+    out += [(f"scheduler.{k}", f"scheduler_{k}", doc, ()) for k, doc in SCHEDULER_DOCS.items()]
+    out.append(("scheduler.lazy.*", _LAZY[0], _LAZY[1], ("decision",)))
+    out += [(f"tier.*.{f}", f"tier_{f}", f"{f} per tier", ("tier",)) for f in TIER_COUNTERS]
+    out.append(("tier.*.*_bytes", _TIER_BYTES[0], _TIER_BYTES[1], ("tier", "direction")))
+    return out
+
+
+def metrics() -> list[MetricDoc]:
+    """Every counter lmkv adds to vLLM's ``/metrics`` (besides vLLM's own engine labels)."""
+    return [MetricDoc(f"vllm:lmkv_{name}_total", "counter", labels, f"lmkv: {doc}") for _, name, doc, labels in _spec()]
+
+
 class LMKVPromMetrics(KVConnectorPromMetrics):
     """lmkv's counters as ``vllm:lmkv_*_total`` Prometheus counters, fed vLLM's summed connector stats each step."""
 
@@ -49,19 +69,17 @@ class LMKVPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         assert set(TRANSFER_DOCS) == set(vars(TransferCounts())) and set(SCHEDULER_DOCS) == set(vars(SchedulerStats()))
 
-        def counter(name: str, doc: str, *labels: str):
+        def counter(name: str, doc: str, labels: tuple[str, ...]):
             return self._counter_cls(name=f"vllm:lmkv_{name}_total", documentation=f"lmkv: {doc}",
                                      labelnames=self._labelnames + list(labels))
 
+        made = {key: counter(name, doc, labels) for key, name, doc, labels in _spec()}
         # stats key -> (counter, its own label values)
         self._counters: dict[str, tuple[Any, tuple[str, ...]]] = {
-            k: (counter(k, doc), ()) for k, doc in TRANSFER_DOCS.items()}
-        self._counters.update({f"scheduler.{k}": (counter(f"scheduler_{k}", doc), ())
-                               for k, doc in SCHEDULER_DOCS.items()})
-        self._lazy = counter("lazy_offload_decisions", "lazy offload's decisions, by kind (planned, rescued, "
-                             "unlikely: not copied, ...)", "decision")
-        self._tier = {f: counter(f"tier_{f}", f"{f} per tier", "tier") for f in TIER_COUNTERS}
-        self._bytes = counter("tier_bytes", "payload bytes moved per tier and direction", "tier", "direction")
+            k: (made[k], ()) for k in [*TRANSFER_DOCS, *(f"scheduler.{k}" for k in SCHEDULER_DOCS)]}
+        self._lazy = made["scheduler.lazy.*"]
+        self._tier = {f: made[f"tier.*.{f}"] for f in TIER_COUNTERS}
+        self._bytes = made["tier.*.*_bytes"]
         self._children: dict[tuple[int, str], Any] = {}
 
     def _child(self, engine_idx: int, key: str, metric, labels: tuple[str, ...]):

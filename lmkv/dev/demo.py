@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,9 +82,12 @@ def _ttft(llm, tokens: list[int]) -> tuple[float, list[int]]:
 
 
 def run(args: DemoArgs) -> int:
+    # The demo's output is the demo's: vLLM's start-up warnings and lmkv's own info lines are not.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    logging.getLogger().setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     import vllm  # noqa: F401  (first: without vLLM there is nothing to demo, and no model is made)
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (the demo's output is the demo's)
     prepare_env()
     console = Console()
     disk = args.disk or tempfile.mkdtemp(prefix="lmkv-demo-disk-")
