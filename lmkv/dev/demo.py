@@ -84,7 +84,9 @@ def _ttft(llm, tokens: list[int]) -> tuple[float, list[int]]:
 def run(args: DemoArgs) -> int:
     # The demo's output is the demo's: vLLM's start-up warnings and lmkv's own info lines are not.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # (torch's C++ warnings: NUMA binding, ...)
     logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("vllm").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     import vllm  # noqa: F401  (first: without vLLM there is nothing to demo, and no model is made)
 

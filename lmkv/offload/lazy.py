@@ -1,86 +1,14 @@
-"""Eviction-aware lazy offload (DESIGN.md mechanism 1): copy a cached block out only when the
-engine is about to reuse its memory.
+"""Eviction-aware lazy offload: copy a cached block out only when the engine is about to reuse
+its memory (``offload.policy: lazy``; the design and its figures: docs/design/lazy-offload.md).
 
-An engine keeps finished requests' blocks in an LRU free queue: the head is reused
-first. Writing every computed block to lmkv (eager write-through) spends copy
-bandwidth on blocks that are revived by a prefix hit or never evicted at all.
-The lazy policy looks only at the *danger zone* at the head of the queue:
-
-- **danger depth** = EMA of blocks allocated per step x ``horizon_steps`` +
-  ``watermark_blocks``: what the engine will take in the next steps (the connector is
-  not told the next step's demand, so neither is the policy in the simulator);
-- **rescue**: a step that takes more than that (a burst of long new prompts) takes
-  cached blocks the zone did not reach. The engine hands them to the step's requests,
-  but their bytes stay as they were until the step's forward writes them, so the
-  step's plan copies the ones worth keeping *before* that forward (the worker does it
-  first thing, ahead of any load). These copies are on the forward's critical path, the
-  zone's are not: the zone does the steady work, a rescue catches what a burst takes
-  (measured on the mixed traces: 5% of the pages copied). Judging a block when it is
-  lost, not ahead of a burst that may not come, also copies fewer: a block judged later
-  has been idle longer. With a declared link there is no rescue: the link is the
-  bottleneck, and a copy that the forward must wait for would wait behind its queue
-  (measured: rescues under a link at half eager's rate lost 1.16x as many blocks on one
-  seed of four, no fewer on the others). The largest burst lately (as many cached
-  blocks as it took, fading over a few hundred steps) is due ahead of it instead;
-- **no cost to the engine's cache**: a planned block stays where it is in the free
-  queue. Its copy is made in the step that plans it (during the forward; a rescue
-  before it), and only a later step's forward can write a block still in the free
-  queue, so the copy can never store stale bytes and the engine evicts exactly what it
-  would have evicted without lmkv (releasing copied blocks to the queue's head cost
-  vLLM 1.3-3% of its own prefix-cache hits, measured);
-- **prefix closure**: a page is only useful if every page before it in its chain is
-  reachable too, so a block's cached ancestors that lmkv lacks are copied first, and
-  a block whose ancestor is gone from both the engine and lmkv is not copied at all;
-  the walk up stops at an ancestor a running request holds (a shared system prompt):
-  it is not at risk, and it is judged like any block once freed and near reuse;
-- **drain cap**: a step plans at most ``drain_link_share`` of its time on the copy link
-  (the workers' measured copy rate x the forward's measured time; or a fixed
-  ``drain_bytes_per_step``), on average (a fraction of a page is carried over to the
-  next step), so the cap is the same link time for 256 KiB and 4 MiB pages, and never
-  fewer pages than the step took (a burst's step computes them: copying them out takes
-  less than that); the blocks nearest the head first (the first to be lost). Under a
-  declared link that keeps binding, the zone grows (up to ``1 + LOOKAHEAD_GAIN`` times:
-  in effect the whole queue), so copies start earlier and use the link's idle steps
-  instead of losing blocks at the head; the walk stops where the step's copies are
-  planned, so a deep zone costs only what is used.
-  (Taking the most-used prefixes first instead lost 1.14x as many blocks under a tight
-  link: a much-used block is often one that its requests are done with, such as a
-  document after its last question.)
-- **need estimate** (without a declared link): a due block is skipped only where the
-  evidence is strong that blocks like it are not needed again. Blocks are classed by
-  what the engine sees (:mod:`lmkv.offload.reuse`: whether the family looks one-shot,
-  how many requests used the block, whether its session extends or branches, how long
-  it has been idle); each class's chance of being needed is learned online, a lineage's
-  many blocks one observation, and a class is skipped only when the 95% upper confidence
-  bound of that chance is below ``min_need_rate`` (0.1: a copy's cost against a
-  recompute's, :mod:`lmkv.offload.need`). In doubt, copy: a skipped copy that is needed
-  costs a recompute, far dearer than the copy.
-- **families** (with a declared link): the link's time is spent anyway, on the blocks
-  nearest eviction, except those of a family whose requests, after ``min_family_requests``
-  of them, almost never repeat most of an earlier prompt (a stream of one-shot prompts),
-  unless the need estimate shows blocks like them needed at least ``min_need_rate`` of the
-  time at 95% confidence. Repetition is judged on what was seen, not on what was served
-  from cache, so skipping copies can never make a family look one-shot; and only on
-  requests older than the family's reuse horizon (within which 95% of its reuses came): a
-  conversation service's first turns all look one-shot until their second turns come,
-  tens of seconds later (on the Mooncake trace under a link at half eager's rate, judged on
-  all its requests at once, its one family was skipped for its first minutes and lmkv lost
-  1.19x eager's blocks; judged so, 0.65x. The price: a stream of one-shot prompts is judged
-  512 steps later, and on the generator (8 seeds) lmkv loses 0.62x eager's blocks instead of
-  0.37x: ``lmkv bench offload``'s ``*.bw.judged_at_once_blocks_lost``).
-- **ranked by need** (with a declared link): a link that cannot copy every due block spends
-  its time on those most likely needed: the due blocks of the next ``NEED_WINDOW`` steps'
-  budgets are ranked by the upper 95% bound of their class's need rate, capped by their
-  family's rate of repeating an earlier prompt (:meth:`ReuseModel.need_score`: in doubt a
-  block ranks high), nearest the head among equals; a block ranked low is not skipped, it
-  waits for link time left over. (On the Mooncake trace / the generator, lost blocks against
-  eager's: 0.76x / 0.64x in the zone's order, 0.65x / 0.62x ranked.)
-
-Only the danger zone is walked each step (O(depth), not O(blocks)), and only until the
-step's copies are planned; under a declared link, from a mark past the blocks at the head that
-were not worth a copy (lmkv holds them, or their family looks one-shot) instead of the head.
-The engine side is the :class:`FreeQueue` protocol;
-:mod:`lmkv.connectors.vllm_pool` implements it on vLLM's ``BlockPool``.
+An engine keeps finished requests' blocks in an LRU free queue, the head reused first. Each step
+the policy walks the *danger zone* at the head (the blocks the next steps will take: an EMA of
+allocations x ``horizon_steps`` + ``watermark_blocks``) and plans copies of the cached blocks
+there that lmkv lacks, nearest the head first, within a drain cap of link time. A step that
+takes more than the zone covered has the blocks it took copied before its forward writes them
+(rescues). A due block is skipped only where its class's need rate is below ``min_need_rate``
+at 95% confidence (:mod:`lmkv.offload.need`); under a declared link, the link's time goes to
+the due blocks most likely needed, and one-shot families wait.
 
 Rules of this module:
 
@@ -88,6 +16,13 @@ Rules of this module:
    lmkv holds it learns only through ``in_tier``; the copies are the workers' (a plan).
 2. It knows blocks by the engine's keys (:data:`~lmkv.keys.EngineBlockKey`) and ids; the
    scheduler maps them to page keys.
+3. It never moves a block in the engine's free queue: a planned block is copied in the step that
+   plans it, so no copy can store stale bytes and the engine evicts what it would without lmkv.
+4. Prefix closure: a block is copied only if every block before it in its chain is held or being
+   copied (an orphan page can never be hit); a block whose hash changed since it was noted is
+   never written.
+5. Only the zone is walked each step (O(depth), not O(blocks)), and only until the step's copies
+   are planned.
 """
 
 from __future__ import annotations
