@@ -34,7 +34,7 @@ horizon (a stream of one-shot prompts is skipped sooner; a conversation service'
 before their second turns could come); ``bw.policy_us_per_step``: the
 policy's time per step under the link (the slowest run's median). Per budget: ``{family}.{f}x.*``.
 
-Top level (shared/BENCH.md): the ``gen`` family's sums as ``bytes_written`` (vs eager),
+Top level (docs/benchmarks.md): the ``gen`` family's sums as ``bytes_written`` (vs eager),
 ``bytes_vs_oracle``, ``hit_tokens``, ``blocks_lost``, ``computed_tokens``, ``stale_writes``
 (must be 0), ``rescued_pages`` (copies made before a step's forward: on its critical path),
 ``bw.*``; ``policy_us_per_step``: lazy's median time per step with 100k blocks and 1k
@@ -293,7 +293,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
 
 
 def _top(report: Report, gen: list[Outcome]) -> None:
-    """shared/BENCH.md's names: the generator's family summed."""
+    """The contract's top-level names (docs/benchmarks.md): the generator's family summed."""
     page = SMALL[0]
     vs_eager, vs_link = "eager write-through, same traces", "eager under the same copy link"
     report.add("bytes_written", _sum(gen, "lazy.writes") * page, "bytes", _sum(gen, "eager.writes") * page, vs_eager)

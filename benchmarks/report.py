@@ -1,4 +1,4 @@
-"""The benchmark output contract (shared/BENCH.md).
+"""The benchmark output contract (docs/benchmarks.md).
 
 One JSON object on stdout: ``bench``, ``lmkv_version``, ``params`` and
 ``metrics``; each metric has ``value``, ``unit``, ``baseline``,

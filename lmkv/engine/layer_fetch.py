@@ -1,6 +1,6 @@
 """A layerwise fetch: the pages of an engine load, read layer by layer from every tier.
 
-DESIGN.md mechanism 2. A page keeps every layer's bytes contiguous, so layer ``l``
+See docs/design/layerwise.md. A page keeps every layer's bytes contiguous, so layer ``l``
 of all of a load's pages is one byte range per page: one request per tier carries
 them all (:meth:`lmkv.tiers.base.Tier.get_ranges`: the server's ranged GET, one Redis
 pipeline, parallel ``preadv`` on disk), and each unit is verified against its digest

@@ -1,4 +1,4 @@
-"""Eviction-aware lazy offload (DESIGN.md mechanism 1) and how it is evaluated.
+"""Eviction-aware lazy offload (docs/design/lazy-offload.md) and how it is evaluated.
 
 - :mod:`~lmkv.offload.lazy`: which cached blocks to copy to the tiers, and when, from the
   engine's LRU free queue; it decides and touches neither bytes nor tiers.
