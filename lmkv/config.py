@@ -387,7 +387,12 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> LMKVConfig:
-    """Build the configuration from file, environment and ``overrides`` (highest precedence)."""
+    """Build the configuration from file, environment and ``overrides`` (highest precedence).
+
+    Raises:
+        ConfigError: a bad value, an unknown setting, or a config file that cannot be read or parsed
+            (the message names the setting or the file, the value and what is accepted).
+    """
     environ = os.environ if environ is None else environ
     overrides = dict(overrides or {})
     file = overrides.pop("config_file", None) or environ.get(ENV_PREFIX + "CONFIG")

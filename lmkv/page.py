@@ -154,7 +154,11 @@ def rekey(header: PageHeader, key: PageKey) -> PageHeader:
 
 
 def unpack_header(buf, expect_key: PageKey | None = None, layout: GroupLayout | None = None) -> PageHeader:
-    """Parse and check a header; raises :class:`PageFormatError` on anything unexpected."""
+    """Parse and check a header.
+
+    Raises:
+        PageFormatError: not an lmkv page of this version, or not of ``expect_key`` / ``layout``.
+    """
     view = as_bytes_view(buf)
     if len(view) < FIXED_BYTES:
         raise ShortReadError(f"page header needs {FIXED_BYTES} bytes, got {len(view)}")
@@ -183,12 +187,22 @@ def unpack_header(buf, expect_key: PageKey | None = None, layout: GroupLayout | 
 
 
 def verify_payload(header: PageHeader, layout: GroupLayout, payload) -> None:
-    """Check every unit of a whole payload; raises :class:`ChecksumError` naming the first bad one."""
+    """Check every unit of a whole payload.
+
+    Raises:
+        ChecksumError: a unit does not match its digest (the message names the first bad one).
+        ShortReadError: the payload is shorter than the header says.
+    """
     verify_units(header, layout, payload, range(header.num_units))
 
 
 def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterable[int]) -> None:
-    """Check selected units of a payload laid out at full-page offsets."""
+    """Check selected units of a payload laid out at full-page offsets.
+
+    Raises:
+        ChecksumError: a unit does not match its digest.
+        ShortReadError: the payload is shorter than the header says.
+    """
     view = as_bytes_view(payload)
     if len(view) < header.payload_len:
         raise ShortReadError(f"payload has {len(view)} bytes, header says {header.payload_len}")

@@ -367,7 +367,11 @@ class TieredStore:
     def open_session(
         self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str | None = None
     ) -> StoreSession:
-        """Reserve pages in memory for one step; see :class:`StoreSession`."""
+        """Reserve pages in memory for one step; see :class:`StoreSession`.
+
+        Raises:
+            TierFullError: memory has no room for them (nothing is reserved).
+        """
         return StoreSession(self, keys, layouts, domain or self.domain)
 
     # -- ownership -----------------------------------------------------------

@@ -397,7 +397,11 @@ class MemoryTier(LocalTier):
     def open_session(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str,
                      owners: Sequence[str] | None = None) -> MemorySession:
         """``owners``: a domain per page instead of ``domain`` for all (copies promoted from a lower
-        tier keep the owner they had there)."""
+        tier keep the owner they had there).
+
+        Raises:
+            TierFullError: no room for every page (nothing stays reserved).
+        """
         return MemorySession(self, keys, layouts, domain, owners)
 
 

@@ -137,6 +137,10 @@ class RemoteTier(Tier):
 
     Subclasses implement the primitives below and raise :class:`TierUnavailableError`
     for anything that means the backend cannot be reached or did not answer in time.
+
+    Raises (every call): TierUnavailableError while the backend is down or slower than
+    ``remote.timeout`` (the store counts it and serves from its other tiers); TierBusyError when
+    every pooled connection is in use (a miss, not an outage).
     """
 
     @property

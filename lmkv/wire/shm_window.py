@@ -66,8 +66,11 @@ def create(size: int, label: str = "lmkv-window") -> Window:
 
 
 def attach(fd: int, max_bytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Map a window a client passed; the descriptor is closed either way. ``ValueError``: not a
-    memfd sealed against resizing, or empty, or larger than ``max_bytes``."""
+    """Map a window a client passed; the descriptor is closed either way.
+
+    Raises:
+        ValueError: not a memfd sealed against resizing, or empty, or larger than ``max_bytes``.
+    """
     try:
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
@@ -92,8 +95,11 @@ def send(sock: socket.socket, windows: list[Window]) -> None:
 
 
 def receive(sock: socket.socket, count: int) -> list[int]:
-    """The ``count`` descriptors the peer sent with :func:`send` (``ValueError`` if it sent other
-    than that). The caller owns them."""
+    """The ``count`` descriptors the peer sent with :func:`send`; the caller owns them.
+
+    Raises:
+        ValueError: the peer sent other than ``count`` descriptors (those it sent are closed).
+    """
     data, fds, flags, _ = socket.recv_fds(sock, 1, max(count, 1))
     if data != MARKER or len(fds) != count or flags & socket.MSG_CTRUNC:
         for fd in fds:
