@@ -227,7 +227,7 @@ def test_raw_frames_of_the_admin_are_refused_page_ops(shared):
         assert read_frame(c, 1 << 20)[0] == 0
 
 
-def test_the_readmes_multi_tenant_example_is_a_valid_configuration(tmp_path):
+def test_the_server_guides_multi_tenant_example_is_a_valid_configuration(tmp_path):
     import re
     from pathlib import Path
 
@@ -235,9 +235,9 @@ def test_the_readmes_multi_tenant_example_is_a_valid_configuration(tmp_path):
 
     from lmkv.config import LMKVConfig
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    block = re.search(r"```yaml\n(# lmkv serve --file serve.yaml.*?)```", readme, re.S)
-    assert block, "the README's multi-tenant example is gone"
+    guide = (Path(__file__).parents[1] / "docs" / "guides" / "server.md").read_text()
+    block = re.search(r"```yaml\n(# lmkv serve --file serve.yaml.*?)```", guide, re.S)
+    assert block, "the server guide's multi-tenant example is gone"
     data = yaml.safe_load(block.group(1).replace("/etc/lmkv/", f"{tmp_path}/"))
     for name, token in (("admin", ADMIN_TOKEN), ("search", A_TOKEN), ("chat", B_TOKEN)):
         (tmp_path / f"{name}.token").write_text(token + "\n")
