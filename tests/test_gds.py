@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 from conftest import flip_byte, layerwise_load, make_pages
-from support.host_gds import HostCuFile, HostStaging
+from support.host_gds import HostCuFile, gds_store
 
 from lmkv.config import DiskConfig
 from lmkv.page import disk_header_bytes, padded
@@ -142,23 +142,14 @@ def test_the_store_reads_gds_pages_into_staging_slots_and_the_rest_into_memory(t
     """``TieredStore.fetch(device=...)``: pages only the GDS disk tier holds go to free staging slots
     (verified there, not promoted into memory), the rest of them into memory when the slots run out,
     memory hits stay lent; a page that fails its digests is a miss; the slots come back on release."""
-    from lmkv.config import load_config
     from lmkv.cuda import digests
     from lmkv.page import verify_payload
-    from lmkv.store import TieredStore
-
-    staging = None
 
     def verify_here(ptrs, lay, headers, stream=None, device=None):
         return [_verifies(verify_payload, h, lay, staging.page(p, lay.payload_bytes)) for p, h in zip(ptrs, headers)]
 
     monkeypatch.setattr(digests, "verify_on_device", verify_here)
-    cfg = load_config({"memory": {"capacity": "4MiB"}, "disk": {"path": str(tmp_path / "d"), "io": "buffered"}},
-                      environ={})
-    with TieredStore(cfg) as store:
-        disk = store.tiers[1]
-        disk.gds = HostCuFile()
-        staging = HostStaging(disk.gds, layout.payload_bytes, 3)
+    with gds_store(tmp_path, HostCuFile(), layout.payload_bytes, 3) as (store, disk, staging):
         keys, payloads, pages = make_pages(layout, 6)
         disk.put(pages, "e")
         store.memory.put([pages[0]], "e")  # a memory hit

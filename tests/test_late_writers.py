@@ -245,7 +245,7 @@ def test_a_gds_fetch_hands_back_no_staging_slot_a_read_is_still_filling(tmp_path
     as in test_gds.py): one page's file cannot be opened, the others' reads are slow. The fetch
     returns, and its slots go back, only once every read returned: bytes written into the slots
     after that (a marker here) stay as written."""
-    from support.host_gds import HostCuFile, HostStaging
+    from support.host_gds import HostCuFile, gds_store
 
     from lmkv.cuda import digests
 
@@ -254,12 +254,7 @@ def test_a_gds_fetch_hands_back_no_staging_slot_a_read_is_still_filling(tmp_path
             time.sleep(0.3)
             super().read(*a, **kw)
 
-    cfg = load_config({"memory": {"capacity": "4MiB"}, "disk": {"path": str(tmp_path / "d"), "io": "buffered"}},
-                      environ={})
-    with TieredStore(cfg) as store:
-        disk = store.tiers[1]
-        disk.gds = SlowCuFile()
-        staging = HostStaging(disk.gds, layout.payload_bytes, 4)
+    with gds_store(tmp_path, SlowCuFile(), layout.payload_bytes, 4) as (store, disk, staging):
         keys, _, pages = make_pages(layout, 4)
         disk.put(pages, "e")
         real_open = disk._open_any

@@ -4,9 +4,15 @@ routing run against these; the real engine is tested on a GPU."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 
+from lmkv.config import load_config
 from lmkv.page import padded
+from lmkv.store import TieredStore
+from lmkv.tiers.disk import DiskTier
 
 
 class HostCuFile:
@@ -51,3 +57,16 @@ class HostStaging:
     def page(self, ptr: int, n: int) -> np.ndarray:
         off = ptr - self.buf.ctypes.data
         return self.buf[off : off + n]
+
+
+@contextmanager
+def gds_store(root, cufile, slot_payload: int, slots: int) -> Iterator[tuple[TieredStore, DiskTier, HostStaging]]:
+    """A store over a buffered disk tier under ``root`` whose GDS engine is ``cufile`` (a stand-in
+    above), and ``slots`` staging slots of ``slot_payload`` bytes for it."""
+    cfg = load_config({"memory": {"capacity": "4MiB"}, "disk": {"path": str(root / "d"), "io": "buffered"}},
+                      environ={})
+    with TieredStore(cfg) as store:
+        disk = store.tiers[1]
+        assert isinstance(disk, DiskTier)
+        disk.gds = cufile
+        yield store, disk, HostStaging(cufile, slot_payload, slots)
