@@ -220,10 +220,13 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM recovers a failed layerwise load per block only with one cache group; with
             # several it needs the request-level path of asynchronous loads.
             mode = "async" if len(self.groups) > 1 else self.cfg.load_mode
+            role = {"kv_producer": "producer", "kv_consumer": "consumer"}.get(self._kv_transfer_config.kv_role, "both")
+            networked = any(isinstance(t, RemoteTier) for t in below)  # (lookups off the scheduler's thread)
             self.scheduler = OffloadScheduler(
                 residency, self.groups, self.tokens_per_page, self.model_id, self.cfg.namespace,
                 load_mode=mode, quarantine_seconds=self.cfg.quarantine_seconds, offload=self.cfg.offload,
-                max_stall=self.cfg.layerwise_max_stall,
+                max_stall=self.cfg.layerwise_max_stall, role=role, pd=self.cfg.pd,
+                lookup_timeout=self.cfg.remote.lookup_timeout if networked else None,
             )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # vLLM reads the policy right after building this connector: a failed lmkv load
@@ -249,9 +252,14 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._split_pending = False
             split_at_boundaries(self._vllm_scheduler, self.tokens_per_page)
             self._vllm_scheduler = None
-        st = self.scheduler.track(request.request_id, _salt(request), _spans(request))
+        params = request.kv_transfer_params or {}
+        announced = params.get("lmkv", {}).get("pages", 0) if isinstance(params.get("lmkv"), dict) else 0
+        st = self.scheduler.track(request.request_id, _salt(request), _spans(request), request.num_prompt_tokens,
+                                  announced if isinstance(announced, int) and announced > 0 else 0)
         self._requests[request.request_id] = request
         n = self.scheduler.lookup(st, request.all_token_ids, num_computed_tokens)
+        if n is None:
+            return None, False  # not known yet: vLLM asks again next step, the request waits
         return n, st.async_load and n > 0
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -342,7 +350,10 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests.pop(request.request_id, None)
         if self.events is not None:
             self.events.forget(request.request_id)
-        return self.scheduler.finish(request.request_id, request.block_hashes), None
+        pages = self.scheduler.announced(request.request_id)
+        hold = self.scheduler.finish(request.request_id, request.block_hashes)
+        # a producer tells its consumer what it stored (a P/D proxy passes this on untouched)
+        return hold, ({"lmkv": {"pages": pages}} if self.scheduler.role == "producer" else None)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' step outputs, on the scheduler side: load errors, residency, rates, failed pages."""
@@ -462,6 +473,8 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self._remote is not None:
             self._remote.close()
             self._remote = None

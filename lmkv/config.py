@@ -175,6 +175,9 @@ class RemoteConfig(_Section):
     tls_ca: str | None = Field(None, description="CA bundle to verify the server's certificate")
     tls_verify: bool = Field(True, description="verify the server's certificate and host name")
     timeout: float = Field(5.0, gt=0, le=600, description="seconds one operation may take")
+    lookup_timeout: float = Field(
+        0.5, gt=0, le=600, description="seconds an engine's lookup of a request may wait for this tier before the "
+        "request runs without it (it waits, not the engine: other requests are scheduled meanwhile)")
     connect_timeout: float = Field(2.0, gt=0, le=600, description="seconds to connect")
     max_connections: int = Field(16, ge=1, le=1024, description="connection pool size")
     ttl: float | None = Field(None, gt=0, description="Redis: seconds before a page expires (none: never)")
@@ -192,6 +195,22 @@ class RemoteConfig(_Section):
             accepted = ", ".join(f"{s}://" for s in SERVER_SCHEMES + REDIS_SCHEMES)
             raise ValueError(f"unknown scheme {urlsplit(url).scheme!r} (accepted: {accepted})")
         return url
+
+
+class PDConfig(_Section):
+    """Prefill/decode hand-off: what vLLM's ``kv_role`` makes lmkv do. A producer (``kv_producer``)
+    stores every full block of every prompt, whatever ``offload.policy`` says, and tells what it
+    stored in its response's ``kv_transfer_params``; a consumer (``kv_consumer``) loads, waits
+    for the pages a producer announced, and never uploads a prompt it computed itself;
+    ``kv_both`` does both jobs as one engine does."""
+
+    wait: float = Field(
+        0.5, ge=0, le=600, description="seconds a consumer's request waits for the pages its producer announced "
+        "before it computes what did not come (the request waits, not the engine)")
+    consumer_stores_decoded: bool = Field(
+        True, description="a consumer stores the blocks it decoded (the next turn's prefill on a producer loads "
+        "the answer's KV then); its prompts' blocks never")
+    producer_loads: bool = Field(True, description="a producer loads the prefixes lmkv holds instead of recomputing")
 
 
 #: a tenant's name: it appears in logs and stats, never in a key or a path
@@ -316,6 +335,7 @@ class LMKVConfig(_Section):
     disk: DiskConfig = Field(default_factory=DiskConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    pd: PDConfig = Field(default_factory=PDConfig)
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     faults: dict[str, FaultSpec] = Field(

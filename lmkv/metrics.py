@@ -94,6 +94,16 @@ class _TierCollector(Collector):
     def __init__(self, tiers: Callable[[], Sequence[Tier]]) -> None:
         self._tiers = tiers
 
+    def describe(self) -> Iterator:
+        """The families without their values: registering the collector reads no tier (a network
+        tier would be asked for its usage)."""
+        for field, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"lmkv_{field}", doc, labels=["tier"])
+        yield CounterMetricFamily("lmkv_bytes", _BYTES, labels=["tier", "direction"])
+        for attr, doc in _GAUGES.items():
+            yield GaugeMetricFamily(f"lmkv_{attr}", doc, labels=["tier"])
+        yield GaugeMetricFamily("lmkv_pages", _PAGES, labels=["tier"])
+
     def collect(self) -> Iterator:
         tiers = self._tiers()
         for field, doc in _COUNTERS.items():

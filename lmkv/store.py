@@ -149,6 +149,11 @@ class TieredStore:
         """Per key, whether any tier holds it (not prefix-ordered)."""
         return [w is not None for w in locate(keys, self.tiers)]
 
+    def contains_local(self, keys: Sequence[PageKey]) -> list[bool]:
+        """As :meth:`contains`, asking only the tiers in this process (memory, disk): never a network
+        round trip, for callers on an engine's scheduler thread."""
+        return [w is not None for w in locate(keys, self.local_tiers)]
+
     # -- reads -------------------------------------------------------------
 
     def get(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:

@@ -12,4 +12,4 @@ NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mkte
 .venv/bin/python -m pytest "$@"
 # ... and the scheduler-side tests again on vLLM 0.33.0, the release GPU users run (the lazy
 # offload policy on its real BlockPool too: the rescue hook wraps its free queue).
-exec .venv-vllm033/bin/python -m pytest -p no:cacheprovider tests/test_vllm_scheduler.py tests/test_offload_policy.py
+exec .venv-vllm033/bin/python -m pytest -p no:cacheprovider tests/test_vllm_scheduler.py tests/test_pd.py tests/test_offload_policy.py

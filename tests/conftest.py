@@ -96,3 +96,16 @@ def layerwise_load(store, layouts, tensors, names, op):
         r.before_layer(name)
     r.end()
     return r
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory):
+    """vLLM's ModelConfig of a 2-layer Llama made here, for tests on vLLM's real scheduler."""
+    from support.scheduler_harness import HEADS
+    from vllm.config import ModelConfig
+
+    from lmkv.dev.tinymodels import make_llama
+
+    path = make_llama(root=tmp_path_factory.mktemp("models"), num_hidden_layers=2, num_key_value_heads=HEADS,
+                      num_attention_heads=4, hidden_size=256)
+    return ModelConfig(model=str(path), dtype="bfloat16", seed=0, skip_tokenizer_init=True, max_model_len=1024)

@@ -91,5 +91,10 @@ class ResidencyMirror:
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         return [w is not None for w in locate(keys, self.tiers)]
 
+    def contains_local(self, keys: Sequence[PageKey]) -> list[bool]:
+        """As :meth:`contains`, asking only what answers without a network round trip (the mirrored
+        memory and the disk directory)."""
+        return [w is not None for w in locate(keys, [t for t in self.tiers if not getattr(t, "networked", False)])]
+
     def lookup(self, keys: Sequence[PageKey]) -> Lookup:
         return prefix_lookup(keys, self.tiers)

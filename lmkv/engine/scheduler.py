@@ -40,7 +40,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lmkv.config import OffloadConfig
+from lmkv.config import OffloadConfig, PDConfig
+from lmkv.engine.lookups import NOT_YET, AsyncLookups, Verdict
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.sequence import SequenceKeys, Span
 from lmkv.keys import ChainHash, EngineBlockKey, KeySpace, PageKey, page_key
@@ -79,6 +80,9 @@ class RequestState:
     hit_pages: int = 0  # pages the engine or lmkv supplied when the request was admitted
     state_page: int | None = None  # the page whose boundary state this request stored last
     restorable: int = 0  # state groups: pages up to the last boundary whose state is kept
+    prompt_pages: int = 0  # full pages of its prompt (a consumer never stores them)
+    expect_pages: int = 0  # pages a producer announced for it
+    wait_until: float = 0.0  # until when it waits for them
     noted: bool = False  # lazy offload: this request's use of its prefix has been counted
 
 
@@ -112,6 +116,10 @@ class Residency(Protocol):
 
     def contains(self, keys: Sequence[PageKey]) -> list[bool]: ...
 
+    def contains_local(self, keys: Sequence[PageKey]) -> list[bool]:
+        """As ``contains``, without a network round trip (asked on the engine's scheduler thread)."""
+        ...
+
 
 class OffloadScheduler:
     """The scheduler side of lmkv, engine-agnostic: lookups, load and store plans, finalization.
@@ -132,9 +140,17 @@ class OffloadScheduler:
         quarantine_seconds: float = 30.0,
         offload: OffloadConfig | None = None,
         max_stall: float = 2.0,
+        role: str = "both",
+        pd: PDConfig | None = None,
+        lookup_timeout: float | None = None,
     ) -> None:
-        """``load_mode``: "layerwise", "async", or "auto" (:meth:`loads_async`)."""
+        """``load_mode``: "layerwise", "async", or "auto" (:meth:`loads_async`); ``role``: "producer",
+        "consumer" or "both" (vLLM's ``kv_role``, :class:`~lmkv.config.PDConfig`); ``lookup_timeout``:
+        lookups run off the caller's thread with this deadline (the residency asks a network tier)."""
         self.store = store
+        self.role = role
+        self.pd = pd or PDConfig()
+        self._lookups = AsyncLookups(lookup_timeout) if lookup_timeout is not None else None
         self.load_mode = load_mode
         self.max_stall = max_stall
         #: what the workers measured: each lower tier's read rate (bytes/s), the forward's time per layer
@@ -154,7 +170,7 @@ class OffloadScheduler:
         self.offload = offload
         # lazy offload: active once the engine's free queue is bound (eager stores until then)
         self.lazy: LazyOffload | None = None
-        if offload is not None and offload.policy == "lazy":
+        if offload is not None and offload.policy == "lazy" and role != "producer":  # (a producer stores all)
             page_bytes = max((lay.payload_bytes for lay in self.groups), default=1)
             self.lazy = LazyOffload(offload, page_bytes, self._engine_resident)
         self._pool: FreeQueue | None = None
@@ -187,43 +203,67 @@ class OffloadScheduler:
 
     # -- requests ------------------------------------------------------------
 
-    def track(self, req_id: str, salt: str = "", spans: Sequence[Span] = ()) -> RequestState:
-        """State of a request, created on first sight; ``salt`` isolates its keys (cache salt, LoRA)."""
+    def track(self, req_id: str, salt: str = "", spans: Sequence[Span] = (), prompt_tokens: int = 0,
+              expect_pages: int = 0) -> RequestState:
+        """State of a request, created on first sight; ``salt`` isolates its keys (cache salt, LoRA);
+        ``expect_pages``: pages a producer announced for it (a consumer waits for them, ``pd.wait``)."""
         st = self.requests.get(req_id)
         if st is None:
             ns = self.namespace if not salt else f"{self.namespace}\0{salt}"
             st = RequestState(req_id, SequenceKeys(KeySpace(self.model_id, ns), self.tpp, tuple(spans)))
+            st.prompt_pages = prompt_tokens // self.tpp
+            if expect_pages and self.role != "producer":
+                st.expect_pages = expect_pages
+                st.wait_until = time.monotonic() + self.pd.wait
             self.requests[req_id] = st
         return st
 
-    def lookup(self, st: RequestState, tokens: Sequence[int], num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` that lmkv can load (whole pages; never the last token)."""
+    def lookup(self, st: RequestState, tokens: Sequence[int], num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that lmkv can load (whole pages; never the last
+        token), or None: not known yet (a network tier has not answered, or the pages a producer
+        announced have not all landed); ask again next step."""
         max_pages = (len(tokens) - 1) // self.tpp  # the engine must compute at least one token
         local = num_computed_tokens // self.tpp
         st.local_pages = local
-        if max_pages <= local or not self.groups:
+        if max_pages <= local or not self.groups or (self.role == "producer" and not self.pd.producer_loads):
             return 0
         st.seq.extend(tokens[: max_pages * self.tpp])
-        hit = self._unquarantined(st.seq.chains, local, max_pages) - local
+        end = self._unquarantined(st.seq.chains, local, max_pages)
+        keys = [st.seq.keys(layout, local, end) for layout in self.groups]
+        if self._lookups is None:
+            found: tuple[int, dict[str, int]] | Verdict = self._find(keys)
+        else:
+            found = self._lookups.result(st.req_id, (local, end), lambda: self._find(keys))
+        if found is NOT_YET:
+            return None
+        hit, below = (0, {}) if isinstance(found, Verdict) else found  # (TIMED_OUT: a miss)
+        if st.expect_pages and local + hit < min(st.expect_pages, end) and time.monotonic() < st.wait_until:
+            return None  # a producer's pages are on their way
+        st.async_load = self.loads_async(below)
+        self.stats.lookups += 1
+        return hit * self.tpp
+
+    def _find(self, keys: list[list[PageKey]]) -> tuple[int, dict[str, int]]:
+        """How many of these pages (each group's keys) lmkv can restore, and the hit's bytes per tier
+        below memory. (Off the scheduler's thread when a network tier is asked.)"""
+        hit = len(keys[0]) if keys else 0
         below: dict[str, int] = {}  # bytes of the hit per tier below memory
-        for layout in self.groups:
+        for layout, group_keys in zip(self.groups, keys):
             if hit == 0:
                 break
             if layout.growth is Growth.PER_SEQUENCE:
                 continue  # state groups: after the pages, below
-            found = self.store.lookup(st.seq.keys(layout, local, local + hit))
+            found = self.store.lookup(group_keys[:hit])
             hit = min(hit, found.pages)
             for tier in found.tiers[:hit]:
                 if tier != "memory":
                     below[tier] = below.get(tier, 0) + layout.payload_bytes
-        for layout in self.groups:
+        for layout, group_keys in zip(self.groups, keys):
             if hit and layout.growth is Growth.PER_SEQUENCE:
                 # one state per stored boundary: the hit ends at the last boundary whose state is held
-                present = self.store.contains(st.seq.keys(layout, local, local + hit))
+                present = self.store.contains(group_keys[:hit])
                 hit = max((i + 1 for i, p in enumerate(present) if p), default=0)
-        st.async_load = self.loads_async(below)
-        self.stats.lookups += 1
-        return hit * self.tpp
+        return hit, below
 
     def loads_async(self, below: dict[str, int]) -> bool:
         """Whether a hit with ``below`` bytes on each tier under memory waits for its load instead of
@@ -350,18 +390,19 @@ class OffloadScheduler:
                 # With state groups (Mamba), a page can be restored only with a state at or after it:
                 # pages are stored up to the last boundary a state was kept at, never beyond.
                 upto = full
+                first = self._stores_from(st)
                 if self._state_groups:
                     if s.computed_after_step == full * self.tpp and full % self._state_every == 0:
                         st.restorable = full
-                        for g in self._state_groups:
+                        for g in self._state_groups if first is not None and full > first else ():
                             op = self._state_op(st, g, self.groups[g], full, blocks[g], plan)
                             if op is not None:
                                 plan.stores.append(op)
                     upto = st.restorable
-                if not lazy and upto > st.stored_upto:
+                if not lazy and first is not None and upto > first:
                     for g, layout in enumerate(self.groups):
                         if layout.growth is not Growth.PER_SEQUENCE:
-                            op = self._store_op(st, g, layout, st.stored_upto, upto, blocks[g], planned)
+                            op = self._store_op(st, g, layout, first, upto, blocks[g], planned)
                             if op is not None:
                                 plan.stores.append(op)
                 st.stored_upto = max(st.stored_upto, full if lazy else upto)
@@ -400,7 +441,7 @@ class OffloadScheduler:
         if gc is None:
             return True
         g, chain = gc
-        return self.store.contains([page_key(chain, self.groups[g])])[0]
+        return self.store.contains_local([page_key(chain, self.groups[g])])[0]
 
     def _lazy_stores(self, allocated: int, plan: StepPlan) -> None:
         """Release last step's copies (the workers ran them), then plan this step's: blocks the step
@@ -426,7 +467,7 @@ class OffloadScheduler:
         latest`` the request's previous one is dropped."""
         bid = _state_block(blocks)
         key = st.seq.keys(layout, full - 1, full)[0]
-        if bid is None or self.store.contains([key])[0]:
+        if bid is None or self.store.contains_local([key])[0]:
             return None
         if self.offload is not None and self.offload.state_retention == "latest" and st.state_page is not None:
             plan.drops.append(PageOp(st.req_id, g, [st.seq.chains[st.state_page]], [], [st.state_page]))
@@ -439,7 +480,8 @@ class OffloadScheduler:
         blocks: Sequence[int], planned: set[PageKey],
     ) -> PageOp | None:
         keys = st.seq.keys(layout, start, end)
-        resident = self.store.contains(keys)
+        # (pages past a lookup's hit were in no tier then: a network tier is not asked again here)
+        resident = self.store.contains_local(keys)
         want = [
             i for i in range(end - start)
             if not resident[i] and keys[i] not in planned and blocks[start + i] != NULL_BLOCK
@@ -457,6 +499,27 @@ class OffloadScheduler:
 
     # -- finalization ----------------------------------------------------------
 
+    def announced(self, req_id: str) -> int:
+        """A producer's word to its consumer: the pages of this request's prompt it committed or is
+        committing (0 for other roles). Asked as the request finishes, before :meth:`finish`."""
+        st = self.requests.get(req_id)
+        if self.role != "producer" or st is None:
+            return 0
+        return min(st.stored_upto, st.prompt_pages)
+
+    def _stores_from(self, st: RequestState) -> int | None:
+        """The first page of a request this engine stores (None: none): a consumer never stores its
+        prompt's pages (it computed them only because they did not come), and its decoded ones
+        only with ``pd.consumer_stores_decoded``."""
+        if self.role != "consumer":
+            return st.stored_upto
+        return max(st.stored_upto, st.prompt_pages) if self.pd.consumer_stores_decoded else None
+
+    def close(self) -> None:
+        """Stop the lookup threads (a lookup in flight is not waited for)."""
+        if self._lookups is not None:
+            self._lookups.close()
+
     def finish(self, req_id: str, block_hashes: Sequence[bytes] = ()) -> bool:
         """Compute finished (``block_hashes``: the engine's hash of each of the request's full blocks, its
         answer's included, for lazy offload's reuse estimate); returns whether the engine must hold the
@@ -468,6 +531,8 @@ class OffloadScheduler:
         report the load finished: vLLM itself holds those.)
         """
         st = self.requests.pop(req_id, None)
+        if self._lookups is not None:
+            self._lookups.forget(req_id)
         if st is not None:
             for lease in st.pins:
                 lease.release()

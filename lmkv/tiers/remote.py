@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lmkv.config import RemoteConfig
-from lmkv.errors import PageError, PageFormatError, PartlyStoredError, TierUnavailableError
+from lmkv.errors import LMKVError, PageError, PageFormatError, PartlyStoredError, TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import (
@@ -142,6 +142,9 @@ class RemoteTier(Tier):
     ``remote.timeout`` (the store counts it and serves from its other tiers); TierBusyError when
     every pooled connection is in use (a miss, not an outage).
     """
+
+    #: a network round trip per call (callers on an engine's scheduler thread ask only other tiers)
+    networked = True
 
     @property
     def wants_arena(self) -> bool:
@@ -286,14 +289,18 @@ class RemoteTier(Tier):
         return BufferedSession(self, keys, layouts, domain)
 
     def _usage_now(self) -> tuple[int, int, int]:
-        """Occupancy for stats, asked at most every 2 s and never while the backend is down."""
+        """Occupancy for stats: the last figures known, refreshed in the background at most every 2 s
+        and never while the backend is down (a stats call, a metrics scrape, never waits for it)."""
         if self.health.up and time.monotonic() - self._usage_at > 2.0:
             self._usage_at = time.monotonic()
-            try:
-                self._usage = self._call(self._fetch_usage)
-            except TierUnavailableError:
-                pass
+            threading.Thread(target=self._refresh_usage, daemon=True, name=f"lmkv-{self.name}-usage").start()
         return self._usage
+
+    def _refresh_usage(self) -> None:
+        try:
+            self._usage = self._call(self._fetch_usage)
+        except (LMKVError, OSError):
+            pass
 
     @property
     def used_bytes(self) -> int:

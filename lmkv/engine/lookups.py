@@ -1,0 +1,84 @@
+"""Lookups that never stall the engine's scheduler.
+
+The engine's scheduler looks each waiting request up on its own thread, every step it waits. A
+lookup that asks a network tier (the lmkv server, Redis) waits for a round trip, and a tier that
+stalls would stall every request on the engine with it. So over a store with a network tier a
+lookup runs on a thread of its own: the scheduler waits for it a moment (:data:`INLINE_WAIT_S`,
+in which a healthy tier on the same host or rack answers) and otherwise answers "not yet": the
+request waits, the step runs without it, and the next step asks for the result again. A lookup
+that has not answered by its deadline (``remote.lookup_timeout``) is a miss: the request runs
+and computes its prefix. Its thread is left to finish (a tier's own timeout bounds it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+#: how long the scheduler's thread waits for a lookup before answering "not yet"
+INLINE_WAIT_S = 0.002
+#: lookups in flight at once (a stalled tier holds one thread each until its own timeout)
+THREADS = 8
+
+
+class Verdict:
+    """What a lookup has to say besides its result."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+#: the lookup is still running: answer "not yet"
+NOT_YET = Verdict("NOT_YET")
+#: the lookup missed its deadline: a miss
+TIMED_OUT = Verdict("TIMED_OUT")
+
+
+@dataclass
+class _Pending(Generic[T]):
+    future: Future
+    what: Hashable  # what the lookup was for (a request whose prefix changed starts again)
+    deadline: float
+
+
+class AsyncLookups:
+    """Per request, at most one lookup in flight. Called on the scheduler's thread only."""
+
+    def __init__(self, timeout: float) -> None:
+        """``timeout``: seconds a request waits for its lookup before it counts as a miss."""
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="lmkv-lookup")
+        self._pending: dict[str, _Pending] = {}
+        self.timed_out = 0  # lookups given up on (a counter)
+
+    def result(self, req_id: str, what: Hashable, find: Callable[[], T]) -> T | Verdict:
+        """``find()``'s result for this request, running it off this thread: the result, or
+        :data:`NOT_YET` while it runs within the deadline, or :data:`TIMED_OUT` past it."""
+        p = self._pending.get(req_id)
+        if p is None or p.what != what:
+            p = self._pending[req_id] = _Pending(self._pool.submit(find), what, time.monotonic() + self.timeout)
+        try:
+            out = p.future.result(timeout=INLINE_WAIT_S)
+        except FutureTimeout:
+            if time.monotonic() < p.deadline:
+                return NOT_YET
+            del self._pending[req_id]
+            self.timed_out += 1
+            return TIMED_OUT
+        del self._pending[req_id]
+        return out
+
+    def forget(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

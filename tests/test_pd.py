@@ -1,0 +1,196 @@
+"""Prefill/decode hand-off through lmkv's shared tiers, on vLLM's real scheduler (no model): a
+producer stores every prompt block and says so; a consumer waits for the announced pages without
+holding the scheduler up, never re-uploads a prompt it computed, and gives up within its deadline;
+a network tier that stalls makes a lookup "not yet", then a miss, never a blocked step.
+
+Producer and consumer are two harnesses in one process (two engines, two stores) sharing a disk
+tier, the shared tier of these tests. This file also runs on vLLM 0.33.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from support.scheduler_harness import BLOCK, Harness, tokens  # noqa: E402
+
+from lmkv.engine.stores import live_stores  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = 100  # 6 full pages of 16 tokens
+PAGES = PROMPT // BLOCK
+
+
+def _pair(model_config, tmp_path, producer: dict | None = None, consumer: dict | None = None):
+    shared = {"memory": {"capacity": "64MiB"}, "disk": {"path": str(tmp_path / "shared")}}
+    p = Harness(model_config, {**shared, **(producer or {})}, role="kv_producer")
+    d = Harness(model_config, {**shared, **(consumer or {})}, role="kv_consumer")
+    return p, d
+
+
+def _store_of(h: Harness):
+    return h.worker.worker.store
+
+
+def _run_until(h: Harness, req, timeout: float = 30) -> float:
+    """Steps until ``req`` finished; the longest step (s)."""
+    longest = 0.0
+    deadline = time.monotonic() + timeout
+    while not req.is_finished() and time.monotonic() < deadline:
+        t0 = time.monotonic()
+        h.step()
+        longest = max(longest, time.monotonic() - t0)
+    assert req.is_finished()
+    return longest
+
+
+def test_a_producer_stores_every_prompt_block_whatever_the_policy_and_says_so(model_config, tmp_path):
+    """Lazy offload would store nothing of a prefill that fits the engine: a producer stores all."""
+    p, d = _pair(model_config, tmp_path, producer={"offload": {"policy": "lazy"}})
+    try:
+        a = p.request("a", tokens(PROMPT, 1), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        p.run(a)
+        _store_of(p).drain()
+        assert p.worker.worker.stats.totals.stored_pages == PAGES
+        assert p.transfer_params["a"] == {"lmkv": {"pages": PAGES}}
+        assert d.transfer_params == {}  # (a consumer announces nothing)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_consumer_waits_for_announced_pages_and_loads_them(model_config, tmp_path):
+    """The consumer's request arrives before the producer's pages: it waits ("not yet") while the
+    consumer's scheduler keeps stepping, then loads every announced page; it stores nothing of the
+    prompt it was handed."""
+    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 20}})
+    try:
+        prompt = tokens(PROMPT, 2)
+        b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(b)
+        for _ in range(3):
+            so = d.step()
+            assert not so.num_scheduled_tokens  # waiting for the producer's pages
+        a = p.request("a", prompt, max_tokens=1)
+        p.run(a)
+        _store_of(p).drain()
+        _run_until(d, b)
+        assert d.worker.worker.stats.totals.loaded_pages == PAGES
+        d.check_kv(b, PROMPT + 2)
+        assert d.worker.worker.stats.totals.stored_pages == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_consumer_gives_up_at_its_deadline_and_uploads_nothing(model_config, tmp_path):
+    """Announced pages that never come: the request runs once ``pd.wait`` has passed, recomputing
+    its prompt, which the consumer does not store (it only ever had it because it did not come)."""
+    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.3}})
+    try:
+        b = d.request("b", tokens(PROMPT, 3), max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(b)
+        t0 = time.monotonic()
+        while not d.step().num_scheduled_tokens:
+            assert time.monotonic() - t0 < 5
+        waited = time.monotonic() - t0
+        assert 0.3 <= waited < 1.0
+        _run_until(d, b)
+        d.check_kv(b, PROMPT + 2)
+        assert d.worker.worker.stats.totals.loaded_pages == 0 and d.worker.worker.stats.totals.stored_pages == 0
+        _store_of(d).drain()
+        assert len(_store_of(d).tiers[1]) == 0  # nothing reached the shared tier
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("stores_decoded", [True, False])
+def test_a_consumer_stores_the_blocks_it_decoded_only_if_told(model_config, tmp_path, stores_decoded):
+    """The answer's blocks are what the next turn's prefill on the producer could load."""
+    p, d = _pair(model_config, tmp_path, consumer={"pd": {"consumer_stores_decoded": stores_decoded, "wait": 0}})
+    try:
+        b = d.request("b", tokens(PROMPT, 4), max_tokens=30)  # 100 + 30 tokens: pages 6 and 7 are decoded
+        d.run(b)
+        stored = d.worker.worker.stats.totals.stored_pages
+        assert stored == (2 if stores_decoded else 0)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_stalled_network_tier_never_stalls_the_scheduler(model_config, silent_listener):
+    """A tier that accepts and never answers: a waiting request's lookup is "not yet", then a miss
+    after ``remote.lookup_timeout``; meanwhile a running request goes on step after step, and no
+    step waits for the tier."""
+    lmkv = {"memory": {"capacity": "64MiB"},
+            "remote": {"url": f"lmkv://127.0.0.1:{silent_listener}", "timeout": 3, "lookup_timeout": 0.5,
+                       "shm": "never"}}
+    h = Harness(model_config, lmkv)
+    try:
+        running = h.request("r", tokens(40, 5), max_tokens=200)
+        h.sched.add_request(running)
+        h.step()
+        h.step()  # r runs (its lookups were "not yet" until they missed: see below)
+        waiting = h.request("w", tokens(PROMPT, 6), max_tokens=2)
+        h.sched.add_request(waiting)
+        t0, steps, longest = time.monotonic(), 0, 0.0
+        while "w" not in h.blocks and time.monotonic() - t0 < 5:
+            s0 = time.monotonic()
+            so = h.step()
+            longest = max(longest, time.monotonic() - s0)
+            steps += 1
+            if "w" in so.num_scheduled_tokens:
+                break
+        waited = time.monotonic() - t0
+        assert 0.5 <= waited < 1.5, waited
+        assert longest < 0.2, longest  # (a blocked lookup would hold a step for the tier's 3 s)
+        assert steps > 3 and running.num_computed_tokens > 40
+        _run_until(h, waiting)
+        h.check_kv(waiting, PROMPT + 1)
+    finally:
+        h.close()
+
+
+@pytest.fixture
+def silent_listener():
+    """A TCP port that accepts connections and never answers (a hung backend)."""
+    import socket
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    conns, stop = [], threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conns.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    th.join()
+    for c in conns:
+        c.close()
+    srv.close()
+
+
+def test_live_stores_are_released(model_config, tmp_path):
+    """(Two engines in one process: each releases its store when closed.)"""
+    before = len(live_stores())
+    p, d = _pair(model_config, tmp_path)
+    assert len(live_stores()) == before + 2
+    p.close()
+    d.close()
+    assert len(live_stores()) == before
