@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -206,22 +207,28 @@ class RedisTier(RemoteTier):
         """``job(client, indices)`` once per node serving some of ``names``, concurrently, each with
         its own client and deadline; per index, what its node's job returned. Indices on a node
         that is down, or that fails now (and is marked down), are left out; those on a node that
-        answers ``MOVED`` are grouped again by a fresh slot map and tried once more. Without a
+        answers ``MOVED`` are grouped again by a fresh slot map and tried once more, all within the
+        one deadline (``remote.timeout``): what is not done by then is left out. Without a
         cluster: one job, and a failure raises (the tier's own health takes it)."""
         if self.nodes is None:
             every = list(range(len(names)))
             return dict(zip(every, self._run(job(self._client, every))))
 
-        async def run(groups: dict[str, list[int]]):
-            return await asyncio.gather(*(self._on_node(node, job, idx) for node, idx in groups.items()))
+        async def run(groups: dict[str, list[int]], timeout: float):
+            return await asyncio.gather(*(self._on_node(node, job, idx, timeout=timeout)
+                                          for node, idx in groups.items()))
 
+        deadline = time.monotonic() + self.cfg.timeout
         out: dict[int, Any] = {}
         todo = list(range(len(names)))
         for attempt in range(2):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             groups = {node: [todo[j] for j in idx]
                       for node, idx in self.nodes.group([names[i] for i in todo]).items()}
             try:
-                results = self._run_plain(run(groups), self.cfg.timeout + 1)
+                results = self._run_plain(run(groups, left), left + 1)
             except TimeoutError as err:
                 raise TierUnavailableError(f"{self.name}: no answer in {self.cfg.timeout} s") from err
             todo = []
@@ -233,19 +240,18 @@ class RedisTier(RemoteTier):
                     self.nodes.failed(node, res)
                 else:
                     out.update(zip(idx, res))
-            if not todo:
+            if not todo or not self.nodes.refresh(deadline - time.monotonic()):
                 break
-            self.nodes.refresh()
         return out
 
-    async def _on_node(self, node: str, call: Callable[..., Awaitable], *args: Any):
-        """``call(client, *args)`` with ``node``'s own client and the tier's deadline; what makes the
-        node unreachable, or a ``MOVED`` reply, is returned, not raised."""
+    async def _on_node(self, node: str, call: Callable[..., Awaitable], *args: Any, timeout: float | None = None):
+        """``call(client, *args)`` with ``node``'s own client and a deadline (the tier's unless
+        ``timeout``); what makes the node unreachable, or a ``MOVED`` reply, is returned, not raised."""
         try:
             client = self._node_clients.get(node)
             if client is None:
                 client = self._node_clients[node] = node_client(node, self._node_kwargs)
-            return await asyncio.wait_for(call(client, *args), self.cfg.timeout)
+            return await asyncio.wait_for(call(client, *args), self.cfg.timeout if timeout is None else timeout)
         except (*_UNREACHABLE, rexc.MovedError) as err:
             return err
 

@@ -65,13 +65,22 @@ class ClusterNodes:
         with self._lock:
             return sorted(n for n, h in self._health.items() if not h.up)
 
-    def refresh(self) -> None:
-        """Ask the cluster for its slot map again (a node answered ``MOVED``: a slot moved). A
-        cluster that cannot answer now keeps the old map: its nodes' own failures tell."""
-        try:
-            self._client().nodes_manager.initialize()
-        except Exception:  # noqa: BLE001 - the next command to a stale node fails and marks it
-            pass
+    def refresh(self, timeout: float) -> bool:
+        """Ask the cluster for its slot map again (a node answered ``MOVED``: a slot moved), waiting
+        ``timeout`` seconds at most; whether the new map came in time. A cluster that cannot answer
+        keeps the old map (its nodes' own failures tell); a refresh still running when the caller
+        stops waiting completes on its own thread."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._client().nodes_manager.initialize()
+            except Exception:  # noqa: BLE001 - the next command to a stale node fails and marks it
+                return
+            done.set()
+
+        threading.Thread(target=run, daemon=True, name=f"lmkv-{self._tier}-slots").start()
+        return done.wait(max(0.0, timeout))
 
     def _ping(self, node: str) -> str | None:
         """Raise while ``node``'s slots are unserved; say how they are served again."""
