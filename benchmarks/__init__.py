@@ -18,6 +18,8 @@ BENCHES = {
     "copy": "KV blocks gathered into pages and scattered back (the CUDA kernel on a GPU) beside a contiguous copy",
     "layerwise": "a step's layerwise loads and stores on the worker's copy streams beside the forward alone "
                  "and the forward's-stream path (GPU only)",
+    "pd": "prefill/decode hand-off between two vllm serve engines through a shared tier: D's loads, TTFT, "
+          "a stalled tier's cost",
     "gds": "disk-tier pages read into / written from device memory with GPUDirect Storage, beside raw cuFile "
            "and the POSIX + pinned-host path (GPU only)",
 }

@@ -38,6 +38,11 @@ SCHEDULER_DOCS = {
     "skipped_resident": "pages not stored because a tier held them already",
     "layerwise_loads": "hits that load layer by layer inside the step computing the rest of their request",
     "async_loads": "hits that load whole before their request runs",
+    "lookups_timed_out": "lookups a network tier did not answer within remote.lookup_timeout (the request ran "
+                         "without it)",
+    "lookups_local_only": "lookups that asked only this process's tiers because a network tier had not answered "
+                          "another lookup for 50 ms (presumed stalled)",
+    "handoffs_short": "consumer requests whose announced pages had not all come within pd.wait",
 }
 
 

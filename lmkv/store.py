@@ -145,6 +145,11 @@ class TieredStore:
         with self.metrics.timed("lookup"):
             return prefix_lookup(keys, self.tiers)
 
+    def lookup_local(self, keys: Sequence[PageKey]) -> Lookup:
+        """As :meth:`lookup`, asking only the tiers in this process (what a lookup answers while a
+        network tier is presumed stalled)."""
+        return prefix_lookup(keys, self.local_tiers)
+
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         """Per key, whether any tier holds it (not prefix-ordered)."""
         return [w is not None for w in locate(keys, self.tiers)]

@@ -127,34 +127,81 @@ def test_a_consumer_stores_the_blocks_it_decoded_only_if_told(model_config, tmp_
 
 
 def test_a_stalled_network_tier_never_stalls_the_scheduler(model_config, silent_listener):
-    """A tier that accepts and never answers: a waiting request's lookup is "not yet", then a miss
-    after ``remote.lookup_timeout``; meanwhile a running request goes on step after step, and no
-    step waits for the tier."""
+    """A tier that accepts and never answers: a waiting request's lookup is "not yet", then (the
+    tier presumed stalled) it asks local tiers only and runs; meanwhile a running request goes on
+    step after step, and no step waits for the tier."""
     lmkv = {"memory": {"capacity": "64MiB"},
-            "remote": {"url": f"lmkv://127.0.0.1:{silent_listener}", "timeout": 3, "lookup_timeout": 0.5,
+            "remote": {"url": f"lmkv://127.0.0.1:{silent_listener}", "timeout": 3, "lookup_timeout": 2,
                        "shm": "never"}}
     h = Harness(model_config, lmkv)
     try:
         running = h.request("r", tokens(40, 5), max_tokens=200)
         h.sched.add_request(running)
-        h.step()
-        h.step()  # r runs (its lookups were "not yet" until they missed: see below)
+        assert _wait_to_run(h, "r") < 1.5  # (far sooner than lookup_timeout: the tier is presumed stalled)
         waiting = h.request("w", tokens(PROMPT, 6), max_tokens=2)
         h.sched.add_request(waiting)
-        t0, steps, longest = time.monotonic(), 0, 0.0
-        while "w" not in h.blocks and time.monotonic() - t0 < 5:
+        t0, longest, steps, with_r = time.monotonic(), 0.0, 0, 0
+        while not waiting.is_finished():
             s0 = time.monotonic()
             so = h.step()
             longest = max(longest, time.monotonic() - s0)
-            steps += 1
-            if "w" in so.num_scheduled_tokens:
-                break
-        waited = time.monotonic() - t0
-        assert 0.5 <= waited < 1.5, waited
+            steps, with_r = steps + 1, with_r + ("r" in so.num_scheduled_tokens)
+            assert time.monotonic() - t0 < 5
         assert longest < 0.2, longest  # (a blocked lookup would hold a step for the tier's 3 s)
-        assert steps > 3 and running.num_computed_tokens > 40
-        _run_until(h, waiting)
+        assert with_r == steps  # (r went on in every step meanwhile)
+        assert h.connector_stats.get("scheduler.lookups_local_only", 0) >= 1
         h.check_kv(waiting, PROMPT + 1)
+    finally:
+        h.close()
+
+
+def _wait_to_run(h: Harness, req_id: str, timeout: float = 10) -> float:
+    """Steps until ``req_id`` is scheduled; the seconds that took."""
+    t0 = time.monotonic()
+    while req_id not in h.step().num_scheduled_tokens:
+        assert time.monotonic() - t0 < timeout
+    return time.monotonic() - t0
+
+
+def test_a_consumer_waits_no_longer_than_pd_wait_for_a_stalled_tier(model_config, silent_listener):
+    """Promised pages on a tier that stopped answering: the request runs at ``pd.wait``, though
+    its lookup's own deadline (``remote.lookup_timeout``) is far later."""
+    lmkv = {"memory": {"capacity": "64MiB"}, "pd": {"wait": 0.3},
+            "remote": {"url": f"lmkv://127.0.0.1:{silent_listener}", "timeout": 10, "lookup_timeout": 5,
+                       "shm": "never"}}
+    d = Harness(model_config, lmkv, role="kv_consumer")
+    try:
+        b = d.request("b", tokens(PROMPT, 7), max_tokens=2, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(b)
+        waited = _wait_to_run(d, "b")
+        assert 0.3 <= waited < 0.8, waited
+        _run_until(d, b)
+        assert d.connector_stats.get("scheduler.handoffs_short") == 1
+        d.check_kv(b, PROMPT + 1)
+    finally:
+        d.close()
+
+
+def test_requests_over_a_stalled_tier_wait_a_moment_not_each_a_lookup_timeout(model_config, silent_listener):
+    """Lookups the tier never answers: once one has gone unanswered for a moment, each request
+    (the first and those after it) asks only the local tiers and runs, instead of each waiting
+    out ``remote.lookup_timeout`` in turn."""
+    lmkv = {"memory": {"capacity": "64MiB"},
+            "remote": {"url": f"lmkv://127.0.0.1:{silent_listener}", "timeout": 10, "lookup_timeout": 3,
+                       "shm": "never"}}
+    h = Harness(model_config, lmkv)
+    try:
+        reqs = [h.request(f"q{i}", tokens(PROMPT, 8 + i), max_tokens=2) for i in range(3)]
+        t0 = time.monotonic()
+        for r in reqs:
+            h.sched.add_request(r)
+            _wait_to_run(h, r.request_id)
+        assert time.monotonic() - t0 < 1.5  # (3 x lookup_timeout = 9 s without the stall rule)
+        for r in reqs:
+            _run_until(h, r)
+        assert not h.served_wrong_kv  # (every step's attention read exactly its tokens' KV)
+        assert h.connector_stats.get("scheduler.lookups_local_only", 0) >= 3
+        assert h.connector_stats.get("scheduler.lookups_timed_out", 0) == 0
     finally:
         h.close()
 

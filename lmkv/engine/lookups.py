@@ -8,11 +8,21 @@ in which a healthy tier on the same host or rack answers) and otherwise answers 
 request waits, the step runs without it, and the next step asks for the result again. A lookup
 that has not answered by its deadline (``remote.lookup_timeout``) is a miss: the request runs
 and computes its prefix. Its thread is left to finish (a tier's own timeout bounds it).
+
+A lookup still unanswered after :data:`STALL_S`, or after several times what lookups have
+lately taken on a slower network, means the network is stalled: until the lookups in flight
+have answered, a request asks only the tiers in this process (its ``fallback``) and runs at
+once, so a stalled tier delays each request by a moment, not by ``remote.lookup_timeout`` each
+in turn. A request that waits for pages it was promised (a P/D consumer's) keeps asking, within
+its own deadline.
 """
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -23,6 +33,12 @@ T = TypeVar("T")
 
 #: how long the scheduler's thread waits for a lookup before answering "not yet"
 INLINE_WAIT_S = 0.002
+#: how long a lookup may go unanswered before the network is presumed stalled
+STALL_S = 0.05
+#: a lookup is presumed stalled past this many times the median of recent lookups' durations
+STALL_FACTOR = 8
+#: how many recent durations that median is over
+RECENT = 32
 #: lookups in flight at once (a stalled tier holds one thread each until its own timeout)
 THREADS = 8
 
@@ -58,24 +74,53 @@ class AsyncLookups:
         self.timeout = timeout
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="lmkv-lookup")
         self._pending: dict[str, _Pending] = {}
-        self.timed_out = 0  # lookups given up on (a counter)
+        self._in_flight: dict[Future, float] = {}  # every lookup still running (abandoned ones too): since when
+        self._took: deque[float] = deque(maxlen=RECENT)  # recent answered lookups' durations
+        self._lock = threading.Lock()
 
-    def result(self, req_id: str, what: Hashable, find: Callable[[], T]) -> T | Verdict:
+    def result(self, req_id: str, what: Hashable, find: Callable[[], T],
+               fallback: Callable[[], T] | None = None) -> T | Verdict:
         """``find()``'s result for this request, running it off this thread: the result, or
-        :data:`NOT_YET` while it runs within the deadline, or :data:`TIMED_OUT` past it."""
+        :data:`NOT_YET` while it runs within the deadline, or :data:`TIMED_OUT` past it; or, with
+        a ``fallback`` (a lookup without the network), its result at once while the network is
+        presumed stalled."""
+        if fallback is not None and self.stalled():
+            self._pending.pop(req_id, None)
+            return fallback()
         p = self._pending.get(req_id)
         if p is None or p.what != what:
-            p = self._pending[req_id] = _Pending(self._pool.submit(find), what, time.monotonic() + self.timeout)
+            p = self._pending[req_id] = _Pending(self._submit(find), what, time.monotonic() + self.timeout)
         try:
             out = p.future.result(timeout=INLINE_WAIT_S)
         except FutureTimeout:
             if time.monotonic() < p.deadline:
                 return NOT_YET
             del self._pending[req_id]
-            self.timed_out += 1
             return TIMED_OUT
         del self._pending[req_id]
         return out
+
+    def stalled(self) -> bool:
+        """Whether a lookup has gone unanswered for :data:`STALL_S`, or for :data:`STALL_FACTOR`
+        times the median of recent lookups if that is longer (a healthy slow network is not
+        stalled)."""
+        with self._lock:
+            typical = statistics.median(self._took) if self._took else 0.0
+            since = time.monotonic() - max(STALL_S, STALL_FACTOR * typical)
+            return any(t < since for t in self._in_flight.values())
+
+    def _submit(self, find: Callable[[], T]) -> Future:
+        fut = self._pool.submit(find)
+        with self._lock:
+            self._in_flight[fut] = time.monotonic()
+        fut.add_done_callback(self._answered)
+        return fut
+
+    def _answered(self, fut: Future) -> None:
+        with self._lock:
+            started = self._in_flight.pop(fut, None)
+            if started is not None:
+                self._took.append(time.monotonic() - started)
 
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)

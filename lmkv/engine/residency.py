@@ -91,10 +91,16 @@ class ResidencyMirror:
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         return [w is not None for w in locate(keys, self.tiers)]
 
+    @property
+    def _local(self) -> list:
+        """What answers without a network round trip (the mirrored memory and the disk directory)."""
+        return [t for t in self.tiers if not getattr(t, "networked", False)]
+
     def contains_local(self, keys: Sequence[PageKey]) -> list[bool]:
-        """As :meth:`contains`, asking only what answers without a network round trip (the mirrored
-        memory and the disk directory)."""
-        return [w is not None for w in locate(keys, [t for t in self.tiers if not getattr(t, "networked", False)])]
+        return [w is not None for w in locate(keys, self._local)]
 
     def lookup(self, keys: Sequence[PageKey]) -> Lookup:
         return prefix_lookup(keys, self.tiers)
+
+    def lookup_local(self, keys: Sequence[PageKey]) -> Lookup:
+        return prefix_lookup(keys, self._local)

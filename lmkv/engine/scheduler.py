@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lmkv.config import OffloadConfig, PDConfig
-from lmkv.engine.lookups import NOT_YET, AsyncLookups, Verdict
+from lmkv.engine.lookups import NOT_YET, TIMED_OUT, AsyncLookups, Verdict
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.sequence import SequenceKeys, Span
 from lmkv.keys import ChainHash, EngineBlockKey, KeySpace, PageKey, page_key
@@ -96,6 +96,9 @@ class SchedulerStats:
     skipped_resident: int = 0  # pages not stored because a tier already had them
     layerwise_loads: int = 0  # hits the engine took that load layer by layer inside a step
     async_loads: int = 0  # hits the engine took that load before their request runs
+    lookups_timed_out: int = 0  # lookups a network tier did not answer in time (the request ran without it)
+    lookups_local_only: int = 0  # lookups that asked only local tiers: a network tier was presumed stalled
+    handoffs_short: int = 0  # consumer requests whose announced pages had not all come by pd.wait
 
 
 @dataclass
@@ -113,6 +116,10 @@ class Residency(Protocol):
     :class:`~lmkv.engine.residency.ResidencyMirror` of workers in other processes."""
 
     def lookup(self, keys: Sequence[PageKey]) -> Lookup: ...
+
+    def lookup_local(self, keys: Sequence[PageKey]) -> Lookup:
+        """As ``lookup``, without a network round trip."""
+        ...
 
     def contains(self, keys: Sequence[PageKey]) -> list[bool]: ...
 
@@ -230,22 +237,34 @@ class OffloadScheduler:
         st.seq.extend(tokens[: max_pages * self.tpp])
         end = self._unquarantined(st.seq.chains, local, max_pages)
         keys = [st.seq.keys(layout, local, end) for layout in self.groups]
+        found: tuple[int, dict[str, int]] | Verdict
         if self._lookups is None:
-            found: tuple[int, dict[str, int]] | Verdict = self._find(keys)
+            found = self._find(keys)
         else:
-            found = self._lookups.result(st.req_id, (local, end), lambda: self._find(keys))
-        if found is NOT_YET:
-            return None
-        hit, below = (0, {}) if isinstance(found, Verdict) else found  # (TIMED_OUT: a miss)
-        if st.expect_pages and local + hit < min(st.expect_pages, end) and time.monotonic() < st.wait_until:
-            return None  # a producer's pages are on their way
+            patient = bool(st.expect_pages)  # (pages were promised: worth waiting for the network)
+            found = self._lookups.result(st.req_id, (local, end), lambda: self._find(keys),
+                                         None if patient else lambda: self._find_local(keys))
+            if found is NOT_YET:
+                if not (st.expect_pages and time.monotonic() >= st.wait_until):
+                    return None
+                self._lookups.forget(st.req_id)  # (the wait for announced pages bounds its lookup too)
+                found = TIMED_OUT
+        hit, below = (0, {}) if isinstance(found, Verdict) else found
+        if isinstance(found, Verdict):  # TIMED_OUT: a miss
+            self.stats.lookups_timed_out += 1
+        if st.expect_pages and local + hit < min(st.expect_pages, end):
+            if time.monotonic() < st.wait_until:
+                return None  # a producer's pages are on their way
+            self.stats.handoffs_short += 1
+            st.expect_pages = 0
         st.async_load = self.loads_async(below)
         self.stats.lookups += 1
         return hit * self.tpp
 
-    def _find(self, keys: list[list[PageKey]]) -> tuple[int, dict[str, int]]:
+    def _find(self, keys: list[list[PageKey]], local: bool = False) -> tuple[int, dict[str, int]]:
         """How many of these pages (each group's keys) lmkv can restore, and the hit's bytes per tier
-        below memory. (Off the scheduler's thread when a network tier is asked.)"""
+        below memory; ``local``: asking only the tiers in this process. (Off the scheduler's thread
+        when a network tier is asked.)"""
         hit = len(keys[0]) if keys else 0
         below: dict[str, int] = {}  # bytes of the hit per tier below memory
         for layout, group_keys in zip(self.groups, keys):
@@ -253,7 +272,7 @@ class OffloadScheduler:
                 break
             if layout.growth is Growth.PER_SEQUENCE:
                 continue  # state groups: after the pages, below
-            found = self.store.lookup(group_keys[:hit])
+            found = (self.store.lookup_local if local else self.store.lookup)(group_keys[:hit])
             hit = min(hit, found.pages)
             for tier in found.tiers[:hit]:
                 if tier != "memory":
@@ -261,9 +280,14 @@ class OffloadScheduler:
         for layout, group_keys in zip(self.groups, keys):
             if hit and layout.growth is Growth.PER_SEQUENCE:
                 # one state per stored boundary: the hit ends at the last boundary whose state is held
-                present = self.store.contains(group_keys[:hit])
+                present = (self.store.contains_local if local else self.store.contains)(group_keys[:hit])
                 hit = max((i + 1 for i, p in enumerate(present) if p), default=0)
         return hit, below
+
+    def _find_local(self, keys: list[list[PageKey]]) -> tuple[int, dict[str, int]]:
+        """:meth:`_find` while the network is presumed stalled."""
+        self.stats.lookups_local_only += 1
+        return self._find(keys, local=True)
 
     def loads_async(self, below: dict[str, int]) -> bool:
         """Whether a hit with ``below`` bytes on each tier under memory waits for its load instead of

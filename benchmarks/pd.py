@@ -1,0 +1,244 @@
+"""``lmkv bench pd``: prefill/decode hand-off through a shared tier, on vLLM's CPU engine.
+
+Two ``vllm serve`` engines as a P/D fleet runs them: a prefill engine (P, ``kv_producer``) and a
+decode engine (D, ``kv_consumer``) sharing one tier: ``lmkv serve`` over TCP (as between two
+hosts), ``lmkv serve`` over same-host shared memory, or Redis. Each prompt (2-4k tokens) goes to
+P with ``max_tokens: 1`` and ``do_remote_decode``, then to D the instant P answers with P's
+``kv_transfer_params`` (what a P/D proxy does: ``examples/pd_proxy.py``). Two page shapes: the
+bench model's 256 KiB pages and an 8B model's 4 MiB pages (32 layers, 8 KV heads of 128: a
+small model with an 8B model's KV, so its pages weigh what they would and its prefill stays short).
+
+Every hand-off runs under a fresh ``cache_salt`` (new keys everywhere), in turns with its
+baseline: D's cold prefill of the same prompt under another salt. Per tier and shape:
+
+- ``pd.handoff_hit_blocks``: the blocks D loaded on the worst hand-off, of its full prompt blocks;
+- ``pd.ttft_decode``: D's TTFT (it loads the prompt) vs D's cold prefill, summed over the
+  hand-offs; ``pd.ttft_decode_vs_prefix_cache``: vs D's own prefix-cache hit of the same prompt;
+- ``pd.ttft_end_to_end``: P's answer + the hand-off + D's TTFT vs one engine's cold TTFT;
+- ``pd.consumer_writes``: bytes D wrote below its memory per hand-off (its decoded blocks only);
+- ``pd.stall_extra``: the tier SIGSTOPped between P's answer and D's request: D's time over its
+  cold prefill, beside ``pd.wait``; ``pd.stall_short_ttft``: a short request sent to D alongside,
+  vs the same pair of requests with the tier running (D computing the prompt either way);
+- ``pd.multiturn.answer_blocks.{stores_decoded,no_stores_decoded}`` (first tier and shape):
+  turn 2 (turn 1 + D's answer + a question) prefilled on P: the blocks of turn 1's answer P
+  loaded, with D storing its decoded blocks (``pd.consumer_stores_decoded``) and without.
+
+``--quick``: the 256 KiB shape over ``lmkv serve`` TCP, two prompts, no multi-turn case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmkv.benchmarks.report import Report
+from lmkv.dev.redis_server import start_redis
+from lmkv.dev.server_process import spawn
+from lmkv.dev.tinymodels import LLAMA_BENCH, make_llama
+from lmkv.dev.vllm_serve import Client, Serve
+
+log = logging.getLogger("lmkv.bench.pd")
+
+BLOCK = 32
+WAIT = 2.0  # pd.wait for the run (a hand-off that needs it all is a figure worth seeing, not a failure)
+ANSWER = 100  # turn 1's answer, tokens (three blocks and more of decoded KV)
+
+
+@dataclass
+class Shape:
+    """A model whose KV page (one block of every layer) weighs ``page``."""
+
+    name: str
+    model: dict[str, Any]
+    kv_bytes: int  # each engine's KV budget
+    memory: str  # each engine's lmkv memory
+
+
+SHAPES = [
+    Shape("256KiB", LLAMA_BENCH, 256 << 20, "512MiB"),
+    Shape("4MiB", dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=8,
+                       head_dim=128, num_hidden_layers=32, vocab_size=2048), 1536 << 20, "2GiB"),
+]
+TIERS = ["server_tcp", "server_shm", "redis"]
+
+
+@dataclass
+class Tier:
+    """A shared tier for one pair of engines: its ``remote`` settings and the process to stall."""
+
+    remote: dict[str, Any]
+    pid: int
+
+
+@contextlib.contextmanager
+def _tier(name: str, memory: str) -> Iterator[Tier]:
+    """``memory``: what the tier may hold (least recently used pages go past it)."""
+    if name == "redis":
+        with start_redis(maxmemory=memory.replace("GiB", "gb")) as r:
+            yield Tier({"url": r.url}, r.procs[0].pid)
+        return
+    with spawn("--memory", memory) as s:
+        yield Tier({"url": s.url, "shm": "never" if name == "server_tcp" else "auto"}, s.proc.pid)
+
+
+def _tokens(n: int, seed: int, vocab: int) -> list[int]:
+    return [(i * 131 + seed * 7919) % (vocab - 3) + 3 for i in range(n)]
+
+
+def _put_bytes_below_memory(c: Client) -> float:
+    return c.metric("vllm:lmkv_tier_bytes_total", direction="put") - c.metric(
+        "vllm:lmkv_tier_bytes_total", direction="put", tier="memory")
+
+
+@dataclass
+class Pair:
+    """P and D, and the hand-off between them."""
+
+    p: Serve
+    d: Serve
+
+    def hand_off(self, ids: list[int], salt: str, max_tokens: int = 1) -> tuple[list[int], float, float]:
+        """One request through P then D: D's tokens (all ``max_tokens``), P's time, D's time."""
+        t0 = time.perf_counter()
+        first = self.p.post("/v1/completions", {**self.p.body(ids, salt, 1),
+                                                "kv_transfer_params": {"do_remote_decode": True}})
+        t1 = time.perf_counter()
+        out = self.d.post("/v1/completions", {**self.d.body(ids, salt, max_tokens), "ignore_eos": True,
+                                              "kv_transfer_params": first.get("kv_transfer_params")})
+        return out["choices"][0]["token_ids"], t1 - t0, time.perf_counter() - t1
+
+
+def _engine(model: str, shape: Shape, remote: dict, log: Path, role: str, **pd: Any) -> Serve:
+    lmkv = {"memory": {"capacity": shape.memory}, "remote": remote, "pd": {"wait": WAIT, **pd}}
+    return Serve(model, lmkv, log, role=role, block=BLOCK, max_model_len=8192, kv_bytes=shape.kv_bytes)
+
+
+@contextlib.contextmanager
+def _running(*engines: Serve) -> Iterator[None]:
+    try:
+        for e in engines:
+            e.wait_ready(600)
+        for e in engines:  # the first request of a fresh engine pays a warm-up
+            e.complete(list(range(3, 67)), salt="warm-up", max_tokens=1)
+        yield
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def _handoffs(rep: Report, pair: Pair, prompts: list[list[int]], repeats: int, suffix: str) -> None:
+    """The hand-off figures over these prompts, each ``repeats`` times under new salts."""
+    d = pair.d
+    worst: tuple[float, int, int] = (2.0, 0, 0)
+    t_d = t_cold = t_floor = t_e2e = 0.0
+    writes, wrong = 0.0, 0
+    for r in range(repeats):
+        for i, ids in enumerate(prompts):
+            want, cold = d.complete(ids, salt=f"cold-{r}-{i}", max_tokens=1)
+            loaded0, put0 = d.metric("vllm:lmkv_loaded_pages_total"), _put_bytes_below_memory(d)
+            got, tp, td = pair.hand_off(ids, salt=f"pd-{r}-{i}")
+            loaded = d.metric("vllm:lmkv_loaded_pages_total") - loaded0
+            writes += _put_bytes_below_memory(d) - put0
+            _, floor = d.complete(ids, salt=f"pd-{r}-{i}", max_tokens=1)  # (vLLM's cache holds it now)
+            full = (len(ids) - 1) // BLOCK
+            worst = min(worst, (loaded / full, int(loaded), full))
+            wrong += got != want
+            t_d, t_cold, t_floor, t_e2e = t_d + td, t_cold + cold, t_floor + floor, t_e2e + tp + td
+            log.info("%s prompt %d: %d/%d blocks, D %.3f s (cold %.3f, floor %.3f), P %.3f s",
+                     suffix, len(ids), loaded, full, td, cold, floor, tp)
+    n = repeats * len(prompts)
+    rep.add(f"pd.handoff_hit_blocks{suffix}", worst[1], "blocks", worst[2], "full prompt blocks (worst hand-off)")
+    rep.add(f"pd.ttft_decode{suffix}", t_d, "s", t_cold, "D's cold prefill of the same prompts")
+    rep.add(f"pd.ttft_decode_vs_prefix_cache{suffix}", t_d, "s", t_floor, "D's own prefix-cache hit, same prompts")
+    rep.add(f"pd.ttft_end_to_end{suffix}", t_e2e, "s", t_cold, "one engine's cold TTFT, same prompts")
+    rep.add(f"pd.consumer_writes{suffix}", writes / n, "bytes")
+    rep.add(f"pd.tokens_wrong{suffix}", wrong, "hand-offs")
+
+
+def _stall(rep: Report, pair: Pair, tier: Tier, ids: list[int], vocab: int, suffix: str) -> None:
+    """The tier stopped between P and D: D's extra time, and a short request's beside it."""
+    d = pair.d
+    short = _tokens(200, 99, vocab)
+
+    def alongside(body: dict, tag: str) -> tuple[float, float]:
+        """D's time for ``body`` and a short request's sent with it."""
+        out: dict[str, float] = {}
+
+        def short_one() -> None:
+            time.sleep(0.05)  # (after the long one's lookup)
+            out["short"] = d.complete(short, salt=f"short-{tag}", max_tokens=1)[1]
+
+        th = threading.Thread(target=short_one)
+        t0 = time.perf_counter()
+        th.start()
+        d.post("/v1/completions", body)
+        long = time.perf_counter() - t0
+        th.join()
+        return long, out["short"]
+
+    cold, short_base = alongside(d.body(ids, "stall-cold", 1), "base")
+    first = pair.p.post("/v1/completions", {**pair.p.body(ids, "stall", 1),
+                                            "kv_transfer_params": {"do_remote_decode": True}})
+    os.kill(tier.pid, signal.SIGSTOP)
+    try:
+        stalled, short_stalled = alongside({**d.body(ids, "stall", 1),
+                                            "kv_transfer_params": first.get("kv_transfer_params")}, "stalled")
+    finally:
+        os.kill(tier.pid, signal.SIGCONT)
+    log.info("%s stall: D %.3f s (cold %.3f), short %.3f s (%.3f)", suffix, stalled, cold, short_stalled, short_base)
+    rep.add(f"pd.stall_extra{suffix}", max(0.0, stalled - cold), "s", WAIT, "pd.wait (the configured deadline)")
+    rep.add(f"pd.stall_short_ttft{suffix}", short_stalled, "s", short_base,
+            "the same short request beside the same cold prefill, tier running")
+
+
+def _multiturn(rep: Report, pair: Pair, ids: list[int], tag: str) -> None:
+    """Turn 2 on P after turn 1's hand-off: the blocks of turn 1's answer P loaded."""
+    answer, _, _ = pair.hand_off(ids, salt=f"turn-{tag}", max_tokens=ANSWER)
+    time.sleep(1.0)  # (a user reads the answer: D's decoded blocks reach the tier meanwhile)
+    turn2 = ids + answer + _tokens(40, 77, 1000)
+    answer_blocks = (len(ids) + len(answer) - 1) // BLOCK - len(ids) // BLOCK
+    loaded0 = pair.p.metric("vllm:lmkv_loaded_pages_total")
+    pair.p.post("/v1/completions", {**pair.p.body(turn2, f"turn-{tag}", 1),
+                                    "kv_transfer_params": {"do_remote_decode": True}})
+    loaded = pair.p.metric("vllm:lmkv_loaded_pages_total") - loaded0
+    rep.add(f"pd.multiturn.answer_blocks.{tag}", loaded, "blocks", answer_blocks,
+            "blocks of turn 1's answer (D decoded them)")
+
+
+def run(quick: bool = False) -> Report:
+    shapes = SHAPES[:1] if quick else SHAPES
+    tiers = TIERS[:1] if quick else TIERS
+    lengths = [2000, 3990] if quick else [2000, 2700, 3400, 3990]
+    repeats = 1 if quick else 2
+    rep = Report("pd", params={"tiers": tiers, "shapes": [s.name for s in shapes], "prompt_tokens": lengths,
+                               "repeats": repeats, "block": BLOCK, "pd_wait_s": WAIT})
+    with tempfile.TemporaryDirectory(prefix="lmkv-bench-pd-") as tmp:
+        workdir = Path(tmp)
+        for si, shape in enumerate(shapes):
+            model = str(make_llama(f"llama-pd-{shape.name}", **shape.model))
+            vocab = shape.model["vocab_size"]
+            prompts = [_tokens(n, 11 + i, vocab) for i, n in enumerate(lengths)]
+            for ti, name in enumerate(tiers):
+                suffix = f".{name}.{shape.name}"
+                with _tier(name, "2GiB") as tier:
+                    pair = Pair(_engine(model, shape, tier.remote, workdir / f"{name}-p.log", "kv_producer"),
+                                _engine(model, shape, tier.remote, workdir / f"{name}-d.log", "kv_consumer"))
+                    with _running(pair.p, pair.d):
+                        _handoffs(rep, pair, prompts, repeats, suffix)
+                        if si == 0 and ti == 0 and not quick:
+                            _multiturn(rep, pair, prompts[0], "stores_decoded")
+                            off = _engine(model, shape, tier.remote, workdir / "off-d.log", "kv_consumer",
+                                          consumer_stores_decoded=False)
+                            with _running(off):
+                                _multiturn(rep, Pair(pair.p, off), prompts[0], "no_stores_decoded")
+                        _stall(rep, pair, tier, prompts[1], vocab, suffix)
+    return rep
