@@ -15,10 +15,11 @@ baseline: D's cold prefill of the same prompt under another salt. Per tier and s
 - ``pd.ttft_decode``: D's TTFT (it loads the prompt) vs D's cold prefill, summed over the
   hand-offs; ``pd.ttft_decode_vs_prefix_cache``: vs D's own prefix-cache hit of the same prompt;
 - ``pd.ttft_end_to_end``: P's answer + the hand-off + D's TTFT vs one engine's cold TTFT;
+- ``pd.handoff_wait``: the longest D waited for P's pages to land (what ``pd.wait`` must cover);
 - ``pd.consumer_writes``: bytes D wrote below its memory per hand-off (its decoded blocks only);
 - ``pd.stall_extra``: the tier SIGSTOPped between P's answer and D's request: D's time over its
-  cold prefill, beside ``pd.wait``; ``pd.stall_short_ttft``: a short request sent to D alongside,
-  vs the same pair of requests with the tier running (D computing the prompt either way);
+  cold prefill (the median of three), beside ``pd.wait``; ``pd.stall_short_ttft``: a short
+  request sent to D alongside, vs the same hand-off and short request with the tier running;
 - ``pd.multiturn.answer_blocks.{stores_decoded,no_stores_decoded}`` (first tier and shape):
   turn 2 (turn 1 + D's answer + a question) prefilled on P: the blocks of turn 1's answer P
   loaded, with D storing its decoded blocks (``pd.consumer_stores_decoded``) and without.
@@ -32,6 +33,7 @@ import contextlib
 import logging
 import os
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -140,15 +142,17 @@ def _handoffs(rep: Report, pair: Pair, prompts: list[list[int]], repeats: int, s
     d = pair.d
     worst: tuple[float, int, int] = (2.0, 0, 0)
     t_d = t_cold = t_floor = t_e2e = 0.0
-    writes, wrong = 0.0, 0
+    writes, wrong, waited = 0.0, 0, 0.0
     for r in range(repeats):
         for i, ids in enumerate(prompts):
             want, cold = d.complete(ids, salt=f"cold-{r}-{i}", max_tokens=1)
             loaded0, put0 = d.metric("vllm:lmkv_loaded_pages_total"), _put_bytes_below_memory(d)
+            waited0 = d.metric("vllm:lmkv_scheduler_handoff_wait_ms_total")
             got, tp, td = pair.hand_off(ids, salt=f"pd-{r}-{i}")
             loaded = d.metric("vllm:lmkv_loaded_pages_total") - loaded0
+            waited = max(waited, (d.metric("vllm:lmkv_scheduler_handoff_wait_ms_total") - waited0) / 1000)
             writes += _put_bytes_below_memory(d) - put0
-            _, floor = d.complete(ids, salt=f"pd-{r}-{i}", max_tokens=1)  # (vLLM's cache holds it now)
+            floor = min(d.complete(ids, salt=f"pd-{r}-{i}", max_tokens=1)[1] for _ in range(2))  # (vLLM's cache)
             full = (len(ids) - 1) // BLOCK
             worst = min(worst, (loaded / full, int(loaded), full))
             wrong += got != want
@@ -160,44 +164,51 @@ def _handoffs(rep: Report, pair: Pair, prompts: list[list[int]], repeats: int, s
     rep.add(f"pd.ttft_decode{suffix}", t_d, "s", t_cold, "D's cold prefill of the same prompts")
     rep.add(f"pd.ttft_decode_vs_prefix_cache{suffix}", t_d, "s", t_floor, "D's own prefix-cache hit, same prompts")
     rep.add(f"pd.ttft_end_to_end{suffix}", t_e2e, "s", t_cold, "one engine's cold TTFT, same prompts")
+    rep.add(f"pd.handoff_wait{suffix}", waited, "s", WAIT, "pd.wait (the longest wait for P's pages)")
     rep.add(f"pd.consumer_writes{suffix}", writes / n, "bytes")
     rep.add(f"pd.tokens_wrong{suffix}", wrong, "hand-offs")
 
 
 def _stall(rep: Report, pair: Pair, tier: Tier, ids: list[int], vocab: int, suffix: str) -> None:
-    """The tier stopped between P and D: D's extra time, and a short request's beside it."""
+    """The tier stopped between P's answer and D's request: D's time over its cold prefill, and a
+    short request's TTFT sent to D alongside, vs the same hand-off and short request unstalled."""
     d = pair.d
     short = _tokens(200, 99, vocab)
 
-    def alongside(body: dict, tag: str) -> tuple[float, float]:
-        """D's time for ``body`` and a short request's sent with it."""
+    def alongside(salt: str, stop: bool) -> tuple[float, float]:
+        """D's time for the hand-off of ``ids`` and a short request's sent 50 ms after it."""
+        first = pair.p.post("/v1/completions", {**pair.p.body(ids, salt, 1),
+                                                "kv_transfer_params": {"do_remote_decode": True}})
         out: dict[str, float] = {}
 
         def short_one() -> None:
-            time.sleep(0.05)  # (after the long one's lookup)
-            out["short"] = d.complete(short, salt=f"short-{tag}", max_tokens=1)[1]
+            time.sleep(0.05)  # (once the hand-off's lookup is out)
+            out["short"] = d.complete(short, salt=f"short-{salt}", max_tokens=1)[1]
 
         th = threading.Thread(target=short_one)
-        t0 = time.perf_counter()
-        th.start()
-        d.post("/v1/completions", body)
-        long = time.perf_counter() - t0
-        th.join()
-        return long, out["short"]
+        if stop:
+            os.kill(tier.pid, signal.SIGSTOP)
+        try:
+            t0 = time.perf_counter()
+            th.start()
+            d.post("/v1/completions", {**d.body(ids, salt, 1), "kv_transfer_params": first.get("kv_transfer_params")})
+            took = time.perf_counter() - t0
+            th.join()
+        finally:
+            if stop:
+                os.kill(tier.pid, signal.SIGCONT)
+        return took, out["short"]
 
-    cold, short_base = alongside(d.body(ids, "stall-cold", 1), "base")
-    first = pair.p.post("/v1/completions", {**pair.p.body(ids, "stall", 1),
-                                            "kv_transfer_params": {"do_remote_decode": True}})
-    os.kill(tier.pid, signal.SIGSTOP)
-    try:
-        stalled, short_stalled = alongside({**d.body(ids, "stall", 1),
-                                            "kv_transfer_params": first.get("kv_transfer_params")}, "stalled")
-    finally:
-        os.kill(tier.pid, signal.SIGCONT)
-    log.info("%s stall: D %.3f s (cold %.3f), short %.3f s (%.3f)", suffix, stalled, cold, short_stalled, short_base)
-    rep.add(f"pd.stall_extra{suffix}", max(0.0, stalled - cold), "s", WAIT, "pd.wait (the configured deadline)")
+    cold = [d.complete(ids, salt=f"stall-cold-{i}", max_tokens=1)[1] for i in range(2)]
+    _, short_base = alongside("stall-base", stop=False)
+    stalled, short_stalled = alongside("stall", stop=True)
+    cold.append(d.complete(ids, salt="stall-cold-2", max_tokens=1)[1])
+    log.info("%s stall: D %.3f s (cold %s), short %.3f s (unstalled %.3f)", suffix, stalled,
+             ", ".join(f"{c:.3f}" for c in cold), short_stalled, short_base)
+    rep.add(f"pd.stall_extra{suffix}", max(0.0, stalled - statistics.median(cold)), "s", WAIT,
+            "pd.wait (the configured deadline)")
     rep.add(f"pd.stall_short_ttft{suffix}", short_stalled, "s", short_base,
-            "the same short request beside the same cold prefill, tier running")
+            "the same short request beside the same hand-off, tier running")
 
 
 def _multiturn(rep: Report, pair: Pair, ids: list[int], tag: str) -> None:
@@ -240,5 +251,5 @@ def run(quick: bool = False) -> Report:
                                           consumer_stores_decoded=False)
                             with _running(off):
                                 _multiturn(rep, Pair(pair.p, off), prompts[0], "no_stores_decoded")
-                        _stall(rep, pair, tier, prompts[1], vocab, suffix)
+                        _stall(rep, pair, tier, prompts[0], vocab, suffix)
     return rep

@@ -22,12 +22,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
+from lmkv import threads
 from lmkv.config import LMKVConfig
 from lmkv.errors import LMKVError, PartlyStoredError, TierFullError
 from lmkv.keys import PageKey
@@ -133,7 +134,7 @@ class TieredStore:
         self.writes = WriteStats()
         self.metrics = Metrics(lambda: self.tiers, lambda: self.writes)
         self.link = LinkRates()  # each lower tier's measured read rate (the layerwise path's inputs)
-        self._pool = ThreadPoolExecutor(cfg.store.io_threads, thread_name_prefix="lmkv-io")
+        self._pool = threads.pool(cfg.store.io_threads, "lmkv-io")
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self.retries = RetryQueue(cfg.store.retry_pages, cfg.store.failed_writes == "retry", self.writes)

@@ -10,6 +10,7 @@ tier, the shared tier of these tests. This file also runs on vLLM 0.33.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -20,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from support.scheduler_harness import BLOCK, Harness, tokens  # noqa: E402
 
+from lmkv.dev.server_process import spawn  # noqa: E402
 from lmkv.engine.stores import live_stores  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -204,6 +206,93 @@ def test_requests_over_a_stalled_tier_wait_a_moment_not_each_a_lookup_timeout(mo
         assert h.connector_stats.get("scheduler.lookups_timed_out", 0) == 0
     finally:
         h.close()
+
+
+def test_a_consumer_loads_the_pages_that_came_and_computes_exactly_the_rest(model_config, tmp_path):
+    """The producer died after storing 3 of the 6 pages it would have announced: the consumer
+    waits out ``pd.wait``, loads those 3 and computes the prompt's other tokens."""
+    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.3}})
+    try:
+        prompt, came = tokens(PROMPT, 12), 3
+        p.run(p.request("a", prompt[: came * BLOCK], max_tokens=1))
+        _store_of(p).drain()
+        b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(b)
+        assert 0.3 <= _wait_to_run(d, "b") < 1.0
+        _run_until(d, b)
+        assert d.worker.worker.stats.totals.loaded_pages == came
+        assert d.connector_stats.get("scheduler.loaded_tokens") == came * BLOCK
+        assert d.connector_stats.get("scheduler.handoffs_short") == 1
+        assert 300 <= d.connector_stats.get("scheduler.handoff_wait_ms", 0) < 1000
+        assert not d.served_wrong_kv
+        d.check_kv(b, PROMPT + 2)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_torn_page_on_the_shared_tier_is_recomputed_from_there(model_config, tmp_path):
+    """A page file cut short on the shared tier (a writer that died mid-write, a full disk): the
+    consumer loads what verifies and recomputes the rest, token-exact."""
+    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 1}})
+    try:
+        prompt = tokens(PROMPT, 13)
+        p.run(p.request("a", prompt, max_tokens=1))
+        _store_of(p).drain()
+        pages = sorted(f for f in (tmp_path / "shared").rglob("*") if f.is_file() and f.stat().st_size > 4096)
+        assert len(pages) == PAGES
+        victim = pages[len(pages) // 2]
+        os.truncate(victim, victim.stat().st_size // 2)
+        b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(b)
+        _wait_to_run(d, "b")
+        _run_until(d, b)
+        assert d.worker.worker.stats.totals.loaded_pages < PAGES
+        assert not d.served_wrong_kv
+        d.check_kv(b, PROMPT + 2)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("fate", ["killed", "stopped"])
+def test_a_consumer_recomputes_within_pd_wait_when_the_shared_server_dies_or_stalls(model_config, fate):
+    """A real ``lmkv serve`` holds the producer's pages, then is killed or SIGSTOPped before the
+    consumer asks: the consumer's request runs at ``pd.wait`` (far sooner than the tier's
+    timeouts) and computes its prompt token-exact; a stalled server that resumes serves the next
+    hand-off."""
+    with spawn("--memory", "64MiB") as server:
+        remote = {"url": server.url, "shm": "never", "timeout": 5, "lookup_timeout": 4}
+        p = Harness(model_config, {"memory": {"capacity": "64MiB"}, "remote": remote}, role="kv_producer")
+        d = Harness(model_config, {"memory": {"capacity": "64MiB"}, "remote": remote, "pd": {"wait": 0.5}},
+                    role="kv_consumer")
+        try:
+            prompt = tokens(PROMPT, 14)
+            p.run(p.request("a", prompt, max_tokens=1))
+            _store_of(p).drain()
+            os.kill(server.proc.pid, signal.SIGKILL if fate == "killed" else signal.SIGSTOP)
+            b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+            d.sched.add_request(b)
+            assert _wait_to_run(d, "b") < 0.5 + 0.3
+            _run_until(d, b)
+            assert d.worker.worker.stats.totals.loaded_pages == 0
+            assert not d.served_wrong_kv
+            d.check_kv(b, PROMPT + 2)
+            if fate == "stopped":
+                os.kill(server.proc.pid, signal.SIGCONT)
+                again = tokens(PROMPT, 15)
+                p.run(p.request("a2", again, max_tokens=1))
+                _store_of(p).drain()
+                c = d.request("c", again, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+                d.sched.add_request(c)
+                _run_until(d, c)
+                assert d.worker.worker.stats.totals.loaded_pages == PAGES
+                d.check_kv(c, PROMPT + 2)
+        finally:
+            if server.proc.poll() is None:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            p.close()
+            d.close()
 
 
 @pytest.fixture

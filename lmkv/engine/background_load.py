@@ -15,8 +15,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
+from lmkv import threads
 from lmkv.engine.blockcopy import LayerBlocks
 from lmkv.engine.copier import Copier
 from lmkv.engine.plan import PageOp
@@ -47,7 +48,7 @@ class BackgroundLoads:
         self.stats, self.failed = stats, failed
         self.loads: dict[str, Future] = {}  # request -> its load (True if every page loaded)
         # fetches of a load's next chunk (a pool of its own: it never waits on the store's)
-        self._prefetch = ThreadPoolExecutor(2, thread_name_prefix="lmkv-prefetch")
+        self._prefetch = threads.pool(2, "lmkv-prefetch")
 
     def start(self, ops: Iterable[PageOp]) -> None:
         """Start the loads of these ops, one per request not loading already."""

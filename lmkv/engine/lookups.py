@@ -24,10 +24,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from lmkv import threads
 
 T = TypeVar("T")
 
@@ -72,7 +74,7 @@ class AsyncLookups:
     def __init__(self, timeout: float) -> None:
         """``timeout``: seconds a request waits for its lookup before it counts as a miss."""
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="lmkv-lookup")
+        self._pool = threads.pool(THREADS, "lmkv-lookup")
         self._pending: dict[str, _Pending] = {}
         self._in_flight: dict[Future, float] = {}  # every lookup still running (abandoned ones too): since when
         self._took: deque[float] = deque(maxlen=RECENT)  # recent answered lookups' durations

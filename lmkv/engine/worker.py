@@ -34,13 +34,14 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from lmkv import threads
 from lmkv.cuda import KernelLayerBlocks
 from lmkv.cuda.streams import Events
 from lmkv.engine.background_load import BackgroundLoads
@@ -135,7 +136,7 @@ class LayerwiseTransfer:
         self._copied_bytes = 0
         self._copy_s = 0.0
         self._errors: set[int] = set()
-        self._layer_pool = ThreadPoolExecutor(LAYER_THREADS, thread_name_prefix="lmkv-layers")
+        self._layer_pool = threads.pool(LAYER_THREADS, "lmkv-layers")
         #: the forward's time per layer (between one layer's wait and the next), a moving average
         self.layer_compute_s: float | None = None
         self._layer_end: float | None = None

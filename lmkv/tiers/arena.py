@@ -25,6 +25,8 @@ import weakref
 
 import numpy as np
 
+from lmkv import threads
+
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23
@@ -109,8 +111,7 @@ class HostArena:
                 return
             self.populate_target = upto
             if self._populator is None:
-                self._populator = threading.Thread(target=self._populate, name="lmkv-arena-populate", daemon=True)
-                self._populator.start()
+                self._populator = threads.start(self._populate, "lmkv-arena-populate")
 
     def _populate(self) -> None:
         madvise = ctypes.CDLL(None, use_errno=True).madvise

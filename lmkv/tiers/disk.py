@@ -18,10 +18,10 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmkv import threads
 from lmkv.config import DiskConfig
 from lmkv.domains import DomainRegistry, check_domain
 from lmkv.errors import PageError, TierFullError
@@ -87,7 +87,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         self._used = 0
         self._reserved = 0
         self._files = PageFiles(cfg, self._tmp, self.direct, engine)
-        self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="lmkv-disk")
+        self._io = threads.pool(cfg.io_threads, "lmkv-disk")
         self._rebuild()
 
     @property

@@ -51,6 +51,7 @@ import redis.asyncio as aredis
 import redis.cluster as scluster
 from redis import exceptions as rexc
 
+from lmkv import threads
 from lmkv.config import ConfigError, RemoteConfig
 from lmkv.errors import PageError, PartlyStoredError, TierUnavailableError
 from lmkv.keys import PageKey, key_hex
@@ -162,8 +163,7 @@ class RedisTier(RemoteTier):
         self._headers: OrderedDict[bytes, PageHeader] = OrderedDict()
         self._headers_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="lmkv-redis", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._loop.run_forever, "lmkv-redis")
         self._client: Any = None if self.cluster else self._run_plain(self._make_client(), cfg.connect_timeout + 1)
         self._node_clients: dict[str, aredis.Redis] = {}  # cluster: per node, used on the loop thread only
         self._reader_made: Any = None  # redis.Redis or redis.cluster.RedisCluster, made by _reader()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from redis.cluster import RedisCluster
 from redis.exceptions import SlotNotCoveredError
 
+from lmkv import threads
 from lmkv.tiers.remote import Health
 
 
@@ -79,7 +80,7 @@ class ClusterNodes:
                 return
             done.set()
 
-        threading.Thread(target=run, daemon=True, name=f"lmkv-{self._tier}-slots").start()
+        threads.start(run, f"lmkv-{self._tier}-slots")
         return done.wait(max(0.0, timeout))
 
     def _ping(self, node: str) -> str | None:

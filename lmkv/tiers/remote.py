@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lmkv import threads
 from lmkv.config import RemoteConfig
 from lmkv.errors import LMKVError, PageError, PageFormatError, PartlyStoredError, TierUnavailableError
 from lmkv.keys import PageKey
@@ -73,9 +74,7 @@ class Health:
             self._down_since = time.time()
             log.warning("lmkv: %s unreachable (%s: %s); serving without it, reconnecting in the background",
                         self.name, type(err).__name__, err)
-            self._thread = threading.Thread(target=self._reconnect, daemon=True,
-                                            name=f"lmkv-{self.name.replace(' ', '-')}-reconnect")
-            self._thread.start()
+            self._thread = threads.start(self._reconnect, f"lmkv-{self.name.replace(' ', '-')}-reconnect")
 
     def _reconnect(self) -> None:
         delay = self._min
@@ -293,7 +292,7 @@ class RemoteTier(Tier):
         and never while the backend is down (a stats call, a metrics scrape, never waits for it)."""
         if self.health.up and time.monotonic() - self._usage_at > 2.0:
             self._usage_at = time.monotonic()
-            threading.Thread(target=self._refresh_usage, daemon=True, name=f"lmkv-{self.name}-usage").start()
+            threads.start(self._refresh_usage, f"lmkv-{self.name}-usage")
         return self._usage
 
     def _refresh_usage(self) -> None:

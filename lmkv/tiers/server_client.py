@@ -26,12 +26,13 @@ import select
 import socket
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import numpy as np
 
+from lmkv import threads
 from lmkv.config import ConfigError, RemoteConfig
 from lmkv.errors import PageError, TierBusyError, TierUnavailableError
 from lmkv.keys import PageKey
@@ -96,7 +97,7 @@ class ServerTier(RemoteTier):
         self._arena: shm_window.Window | None = None
         self._quarantine: Quarantine | None = None  # where slots lent to an abandoned request wait
         self._unix: UnixEndpoint | None = None  # learned from a TCP HELLO; forgotten when it fails
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix=f"lmkv-{name}-verify")
+        self._verifier = threads.pool(1, f"lmkv-{name}-verify")
         self._closing = threading.Event()
 
     @property
@@ -154,7 +155,7 @@ class ServerTier(RemoteTier):
         self._quarantine.hold(lent, fate)
         log.warning("lmkv: %s: gave up on a request whose %d pages the server may still copy into memory; "
                     "holding their slots until it is done", self.name, len(lent))
-        threading.Thread(target=self._reap, args=(conn, fate), daemon=True, name=f"lmkv-{self.name}-reap").start()
+        threads.start(self._reap, f"lmkv-{self.name}-reap", conn, fate)
 
     def _reap(self, conn: Connection, fate: Future) -> None:
         """Wait until the server can no longer copy into what ``conn``'s requests lent it, then settle
