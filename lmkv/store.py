@@ -363,9 +363,15 @@ class TieredStore:
         return stored
 
     def _demote(self, evicted: list[tuple[PageHeader, np.ndarray, list[str]]]) -> None:
-        """Memory evicted these pages: keep them in the next tier down, unless it holds them already
-        (written through, or promoted from there): a page is never written to a tier twice."""
-        if len(self.tiers) < 2:
+        """Memory evicted these pages: under write-back, keep them in the next tier down unless it
+        holds them already (promoted from there): a page is never written to a tier twice.
+
+        Under write-through each page went down when it was stored (or came up from there), so
+        eviction is free: a page the tier below has dropped since was its coldest, and writing it
+        again would evict fresher pages there. (Measured: a prefill engine re-uploading evicted
+        pages to a full lmkv server pushed out the prompt it had just written, and the decode
+        engine found 0 of its 84 pages.)"""
+        if len(self.tiers) < 2 or self.cfg.store.write_policy == "write_through":
             return
         nxt = self.tiers[1]
         held = tier_read(nxt, nxt.contains, [h.key for h, _, _ in evicted]) or [False] * len(evicted)

@@ -92,6 +92,30 @@ def test_a_consumer_waits_for_announced_pages_and_loads_them(model_config, tmp_p
         d.close()
 
 
+def test_a_waiting_consumer_asks_the_tiers_with_backoff_not_every_step(model_config, tmp_path):
+    """An idle engine steps in a tight loop: a request waiting for announced pages asks the
+    tiers every few ms at first, then every POLL_MAX_S, not once per step."""
+    from lmkv.engine.scheduler import POLL_MAX_S
+
+    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.5}})
+    try:
+        sched = d.sched.connector.scheduler
+        asked = []
+        lookup = sched.store.lookup
+        sched.store.lookup = lambda keys: (asked.append(1), lookup(keys))[1]
+        b = d.request("b", tokens(PROMPT, 16), max_tokens=2, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(b)
+        steps, t0 = 0, time.monotonic()
+        while not d.step().num_scheduled_tokens:
+            steps += 1
+        assert steps > 3 * len(asked)  # (each step would ask without the backoff)
+        assert len(asked) <= 0.5 / POLL_MAX_S + 8
+        assert time.monotonic() - t0 < 0.5 + POLL_MAX_S + 0.3
+    finally:
+        p.close()
+        d.close()
+
+
 def test_a_consumer_gives_up_at_its_deadline_and_uploads_nothing(model_config, tmp_path):
     """Announced pages that never come: the request runs once ``pd.wait`` has passed, recomputing
     its prompt, which the consumer does not store (it only ever had it because it did not come)."""

@@ -302,3 +302,23 @@ def test_get_units_through_a_fault_injector_still_reads_in_place(tmp_path, layou
         assert all(h is not None for h in st.get_units(keys, layout, units))
         assert all(np.array_equal(_joined(u), p) for u, p in zip(units, payloads))
         assert not any(st.memory.contains(keys))  # not staged (a staged read promotes)
+
+
+def test_write_through_evictions_never_write_again_what_the_tier_below_dropped(tmp_path, layout):
+    """Under write-through each page goes down once, as it is stored: when memory evicts a page
+    the disk tier has dropped meanwhile, it is not written again (nor asked about)."""
+    with _store(tmp_path, layout, mem_pages=4, write_policy="write_through") as st:
+        keys = _prefix_keys(layout, 8)
+        payloads = [random_payload(layout, i) for i in range(8)]
+        st.put(keys[:4], [layout] * 4, payloads[:4])
+        st.drain()
+        disk = st.tiers[1]
+        disk.delete(keys[:4])  # (the disk tier evicted them: they were its coldest)
+        asked = []
+        contains = disk.contains
+        disk.contains = lambda ks: (asked.append(list(ks)), contains(ks))[1]
+        st.put(keys[4:], [layout] * 4, payloads[4:])  # memory evicts the first 4
+        st.drain()
+        assert disk.stats.puts == 8
+        assert not [k for ks in asked for k in ks if k in keys[:4]]
+        assert st.lookup(keys[4:]).pages == 4

@@ -53,9 +53,9 @@ from lmkv.tiers.link import COPY_OUT
 #: engine block id that marks "no block" (vLLM's null block; skipped windows)
 NULL_BLOCK = 0
 #: a consumer waiting for announced pages asks the tiers again after this, then twice as long each
-#: time up to POLL_MAX_S: the engine asks every step, and a tier polled in a tight loop slows the
-#: very writes it waits for (measured: a producer's 168 MiB write-through took 7.6 s instead of
-#: 0.25 s while the consumer polled an lmkv server on the same host every step)
+#: time up to POLL_MAX_S: the engine asks every step (an idle engine steps in a tight loop), and a
+#: shared tier should not answer thousands of lookups a second per waiting request; the backoff
+#: adds at most POLL_MAX_S to a hand-off whose pages are late
 POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.025
 
