@@ -110,14 +110,19 @@ class Pair:
     p: Serve
     d: Serve
 
+    def prefill(self, ids: list[int], salt: str) -> dict | None:
+        """P's half of a hand-off (``max_tokens: 1``, ``do_remote_decode``): the params D is sent."""
+        out = self.p.post("/v1/completions", {**self.p.body(ids, salt, 1),
+                                              "kv_transfer_params": {"do_remote_decode": True}})
+        return out.get("kv_transfer_params")
+
     def hand_off(self, ids: list[int], salt: str, max_tokens: int = 1) -> tuple[list[int], float, float]:
         """One request through P then D: D's tokens (all ``max_tokens``), P's time, D's time."""
         t0 = time.perf_counter()
-        first = self.p.post("/v1/completions", {**self.p.body(ids, salt, 1),
-                                                "kv_transfer_params": {"do_remote_decode": True}})
+        params = self.prefill(ids, salt)
         t1 = time.perf_counter()
         out = self.d.post("/v1/completions", {**self.d.body(ids, salt, max_tokens), "ignore_eos": True,
-                                              "kv_transfer_params": first.get("kv_transfer_params")})
+                                              "kv_transfer_params": params})
         return out["choices"][0]["token_ids"], t1 - t0, time.perf_counter() - t1
 
 
@@ -180,8 +185,7 @@ def _stall(rep: Report, pair: Pair, tier: Tier, ids: list[int], vocab: int, suff
 
     def alongside(salt: str, stop: bool) -> tuple[float, float]:
         """D's time for the hand-off of ``ids`` and a short request's sent 50 ms after it."""
-        first = pair.p.post("/v1/completions", {**pair.p.body(ids, salt, 1),
-                                                "kv_transfer_params": {"do_remote_decode": True}})
+        params = pair.prefill(ids, salt)
         out: dict[str, float] = {}
 
         def short_one() -> None:
@@ -194,7 +198,7 @@ def _stall(rep: Report, pair: Pair, tier: Tier, ids: list[int], vocab: int, suff
         try:
             t0 = time.perf_counter()
             th.start()
-            d.post("/v1/completions", {**d.body(ids, salt, 1), "kv_transfer_params": first.get("kv_transfer_params")})
+            d.post("/v1/completions", {**d.body(ids, salt, 1), "kv_transfer_params": params})
             took = time.perf_counter() - t0
             th.join()
         finally:
@@ -221,8 +225,7 @@ def _multiturn(rep: Report, pair: Pair, ids: list[int], tag: str) -> None:
     turn2 = ids + answer + _tokens(40, 77, 1000)
     answer_blocks = (len(ids) + len(answer) - 1) // BLOCK - len(ids) // BLOCK
     loaded0 = pair.p.metric("vllm:lmkv_loaded_pages_total")
-    pair.p.post("/v1/completions", {**pair.p.body(turn2, f"turn-{tag}", 1),
-                                    "kv_transfer_params": {"do_remote_decode": True}})
+    pair.prefill(turn2, f"turn-{tag}")
     loaded = pair.p.metric("vllm:lmkv_loaded_pages_total") - loaded0
     rep.add(f"pd.multiturn.answer_blocks.{tag}", loaded, "blocks", answer_blocks,
             "blocks of turn 1's answer (D decoded them)")

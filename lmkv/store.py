@@ -129,7 +129,9 @@ class TieredStore:
         tenants; an engine's store has one account)."""
         self.cfg = cfg
         self.domain = cfg.domain
-        self.memory, below = open_tiers(cfg, on_evict=self._demote, lower=lower, accounts=accounts)
+        # (under write-through each page went down as it was stored: eviction is free, no hook)
+        demote = self._demote if cfg.store.write_policy == "write_back" else None
+        self.memory, below = open_tiers(cfg, on_evict=demote, lower=lower, accounts=accounts)
         self.tiers: list[Tier] = [self.memory, *below]
         self.writes = WriteStats()
         self.metrics = Metrics(lambda: self.tiers, lambda: self.writes)
@@ -363,15 +365,15 @@ class TieredStore:
         return stored
 
     def _demote(self, evicted: list[tuple[PageHeader, np.ndarray, list[str]]]) -> None:
-        """Memory evicted these pages: under write-back, keep them in the next tier down unless it
-        holds them already (promoted from there): a page is never written to a tier twice.
+        """Write-back: memory evicted these pages; keep them in the next tier down unless it holds
+        them already (promoted from there): a page is never written to a tier twice.
 
-        Under write-through each page went down when it was stored (or came up from there), so
-        eviction is free: a page the tier below has dropped since was its coldest, and writing it
-        again would evict fresher pages there. (Measured: a prefill engine re-uploading evicted
-        pages to a full lmkv server pushed out the prompt it had just written, and the decode
-        engine found 0 of its 84 pages.)"""
-        if len(self.tiers) < 2 or self.cfg.store.write_policy == "write_through":
+        Under write-through this hook is not installed: each page went down when it was stored (or
+        came up from there), so eviction is free, and a page the tier below has dropped since was
+        its coldest: writing it again would evict fresher pages there. (Measured: a prefill engine
+        re-uploading evicted pages to a full lmkv server pushed out the prompt it had just written,
+        and the decode engine found 0 of its 84 pages.)"""
+        if len(self.tiers) < 2:
             return
         nxt = self.tiers[1]
         held = tier_read(nxt, nxt.contains, [h.key for h, _, _ in evicted]) or [False] * len(evicted)

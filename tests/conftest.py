@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+import threading
 import uuid
 
 import numpy as np
@@ -109,3 +111,28 @@ def model_config(tmp_path_factory):
     path = make_llama(root=tmp_path_factory.mktemp("models"), num_hidden_layers=2, num_key_value_heads=HEADS,
                       num_attention_heads=4, hidden_size=256)
     return ModelConfig(model=str(path), dtype="bfloat16", seed=0, skip_tokenizer_init=True, max_model_len=1024)
+
+
+@pytest.fixture
+def silent_listener():
+    """A TCP port that accepts connections and never answers (a hung backend)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    conns = []
+    stop = threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conns.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    th = threading.Thread(target=accept, daemon=True)
+    th.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    th.join()
+    for c in conns:
+        c.close()
+    srv.close()

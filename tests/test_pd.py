@@ -319,33 +319,6 @@ def test_a_consumer_recomputes_within_pd_wait_when_the_shared_server_dies_or_sta
             d.close()
 
 
-@pytest.fixture
-def silent_listener():
-    """A TCP port that accepts connections and never answers (a hung backend)."""
-    import socket
-    import threading
-
-    srv = socket.create_server(("127.0.0.1", 0))
-    conns, stop = [], threading.Event()
-
-    def accept():
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conns.append(srv.accept()[0])
-            except OSError:
-                continue
-
-    th = threading.Thread(target=accept, daemon=True)
-    th.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    th.join()
-    for c in conns:
-        c.close()
-    srv.close()
-
-
 def test_live_stores_are_released(model_config, tmp_path):
     """(Two engines in one process: each releases its store when closed.)"""
     before = len(live_stores())

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import numpy as np
@@ -54,31 +52,6 @@ def test_retry_queue_is_bounded(layout):
         for i in range(5):
             store.put([random_key()], [layout], [random_payload(layout, i)])
         assert store.writes.failed == 5 and store.writes.dropped == 3 and store.writes.queued == 2
-
-
-@pytest.fixture
-def silent_listener():
-    """A TCP port that accepts connections and never answers (a hung backend)."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    conns = []
-    stop = threading.Event()
-
-    def accept():
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conns.append(srv.accept()[0])
-            except OSError:
-                continue
-
-    th = threading.Thread(target=accept, daemon=True)
-    th.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    th.join()
-    for c in conns:
-        c.close()
-    srv.close()
 
 
 @pytest.mark.parametrize("scheme", ["lmkv", "redis"])

@@ -243,11 +243,11 @@ class OffloadScheduler:
         st.local_pages = local
         if max_pages <= local or not self.groups or (self.role == "producer" and not self.pd.producer_loads):
             return 0
+        if st.expect_pages and time.monotonic() < min(st.next_poll, st.wait_until):
+            return None  # (waiting for announced pages: not asking again yet)
         st.seq.extend(tokens[: max_pages * self.tpp])
         end = self._unquarantined(st.seq.chains, local, max_pages)
         keys = [st.seq.keys(layout, local, end) for layout in self.groups]
-        if st.expect_pages and time.monotonic() < min(st.next_poll, st.wait_until):
-            return None  # (waiting for announced pages: not asking again yet)
         found: tuple[int, dict[str, int]] | Verdict
         if self._lookups is None:
             found = self._find(keys)
