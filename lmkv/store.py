@@ -192,7 +192,8 @@ class TieredStore:
                 todo = [i for i in todo if results[i] is None]
             return results
 
-    def fetch(self, keys: Sequence[PageKey], layout: GroupLayout, device: DeviceStaging | None = None) -> Fetched:
+    def fetch(self, keys: Sequence[PageKey], layout: GroupLayout, device: DeviceStaging | None = None,
+              count: bool = True) -> Fetched:
         r"""Views of pages for an engine load, pinned until released; ``None`` where a page failed.
 
         Memory hits are lent as they are (zero copy). Pages only a lower tier has are
@@ -205,9 +206,12 @@ class TieredStore:
         on the device (their views are then :class:`~lmkv.tiers.gds.DeviceBuffer`\ s, not
         promoted: the file is their copy); what does not fit in the free slots is read
         into memory as above.
+
+        ``count=False``: not a new access to these pages (the later layers of a read already
+        counted): eviction's recency and frequency are left as they are.
         """
         with self.metrics.timed("fetch"):
-            lease = self.memory.borrow(keys, layout=layout)
+            lease = self.memory.borrow(keys, count=count, layout=layout)
             views: list = list(lease.views)
             found: list = list(lease.headers)
             missing = [i for i, v in enumerate(views) if v is None]

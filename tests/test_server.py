@@ -341,3 +341,25 @@ def test_a_busy_pool_is_a_miss_not_an_outage(server, layout):
     assert t.health.up  # the server is fine
     assert t.contains(keys) == [True]
     t.close()
+
+
+def test_a_layerwise_read_is_one_access_so_pages_not_read_yet_outlive_it(layout):
+    """A prompt read once layer by layer (a ranged GET per layer) must not look hot to the server's
+    S3-FIFO: a P/D consumer read every page of the last prompts that way, and the next prompt P
+    wrote had its first pages evicted before anyone read them (D found none of it)."""
+    with spawn("--memory", "4MiB") as s:  # 64 pages
+        t = _tier(s.url)
+        keys_a, _, pages_a = make_pages(layout, 40)
+        assert t.put(pages_a, "engine") == [True] * 40
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys_a]
+        for layer in range(layout.num_layers):  # (as LayerFetch reads: one request per layer)
+            got = t.get_ranges(keys_a, layout, [layout.layer_range(layer, 1)], outs)
+            assert all(h is not None for h in got)
+        keys_b, payloads_b, pages_b = make_pages(layout, 40, seed=100)
+        for i in range(0, 40, 8):  # (a prefill's steps)
+            t.put(pages_b[i : i + 8], "engine")
+        assert t.contains(keys_b) == [True] * 40
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys_b]
+        assert all(h is not None for h in t.get(keys_b, layout, outs))
+        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads_b))
+        t.close()

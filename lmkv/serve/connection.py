@@ -350,7 +350,9 @@ class Client:
         units_in_ranges(layout, ranges)  # ValueError -> refused: ranges must be whole units
         dst = self.destinations(req, layout.payload_bytes)
         per_page = sum(b - a for a, b in ranges)
-        fetched = store.fetch([self.inner(k) for k in req.keys], layout)
+        # A layerwise load reads each page in several ranged GETs, layer order: one read, one access
+        # (counted as many, a page read once looks hot to S3-FIFO and outlives pages not read yet).
+        fetched = store.fetch([self.inner(k) for k in req.keys], layout, count=any(a == 0 for a, _ in ranges))
         with fetched:
             headers: list[bytes | None] = []
             found = []
