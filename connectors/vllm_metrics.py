@@ -30,6 +30,7 @@ TRANSFER_DOCS = {
     "stored_bytes": "bytes copied out of the engine's KV cache",
     "rescued_pages": "lazy offload: blocks copied in the step that handed them out, before its forward",
     "dropped_pages": "stores skipped because lmkv's memory had no room",
+    "pulled_pages": "pages a waiting P/D consumer copied into lmkv's memory as they landed on the shared tier",
 }
 SCHEDULER_DOCS = {
     "lookups": "lookups of waiting requests (a waiting request is looked up each step it waits)",

@@ -92,6 +92,37 @@ def test_a_consumer_waits_for_announced_pages_and_loads_them(model_config, tmp_p
         d.close()
 
 
+def test_a_waiting_consumer_pulls_pages_into_memory_as_they_land(model_config, tmp_path):
+    """The producer's pages land in two bursts (its prefill's steps): while the consumer waits for
+    the rest, it copies the first burst into its memory, so its load reads only the second burst
+    from the shared tier, and no page twice."""
+    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 20}})
+    try:
+        prompt, first = tokens(PROMPT, 17), 4
+        b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(b)
+        p.run(p.request("a0", prompt[: first * BLOCK], max_tokens=1))
+        _store_of(p).drain()
+        shared = _store_of(d).tiers[1]
+        deadline = time.monotonic() + 10
+        while d.worker.worker.stats.totals.pulled_pages < first and time.monotonic() < deadline:
+            assert not d.step().num_scheduled_tokens  # still waiting for the rest
+            _store_of(d).drain()
+        assert d.worker.worker.stats.totals.pulled_pages == first
+        assert shared.stats.hits == first
+        p.run(p.request("a", prompt, max_tokens=1))
+        _store_of(p).drain()
+        _run_until(d, b)
+        t = d.worker.worker.stats.totals
+        assert t.loaded_pages == PAGES and t.layerwise_pages == PAGES - first  # (read from below memory)
+        assert shared.stats.hits == PAGES
+        assert not d.served_wrong_kv
+        d.check_kv(b, PROMPT + 2)
+    finally:
+        p.close()
+        d.close()
+
+
 def test_a_waiting_consumer_asks_the_tiers_with_backoff_not_every_step(model_config, tmp_path):
     """An idle engine steps in a tight loop: a request waiting for announced pages asks the
     tiers every few ms at first, then every POLL_MAX_S, not once per step."""

@@ -35,6 +35,9 @@ class StepPlan:
     #: the forward and the loads write those blocks
     rescues: list[PageOp] = field(default_factory=list)
     drops: list[PageOp] = field(default_factory=list)  # pages no longer worth keeping (superseded states)
+    #: pages a waiting P/D consumer was promised that have landed below memory: copied into memory in
+    #: the background as they land, so its load, once every page came, reads from memory (no block ids)
+    pulls: list[PageOp] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.async_loads or self.stores or self.rescues or self.drops)
+        return bool(self.loads or self.async_loads or self.stores or self.rescues or self.drops or self.pulls)

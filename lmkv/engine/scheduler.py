@@ -91,6 +91,8 @@ class RequestState:
     wait_until: float = 0.0  # until when it waits for them
     next_poll: float = 0.0  # while it waits: when to ask the tiers again
     polls: int = 0  # while it waits: lookups that found the pages not all there
+    pulled: int = 0  # while it waits: pages (from ``local_pages``) already asked to be pulled into memory
+    pending_pulls: list[PageOp] = field(default_factory=list)  # pulls for the next step's plan
     noted: bool = False  # lazy offload: this request's use of its prefix has been counted
 
 
@@ -269,6 +271,8 @@ class OffloadScheduler:
                 if now < st.wait_until:  # a producer's pages are on their way: ask again soon
                     st.next_poll = now + min(POLL_MAX_S, POLL_FIRST_S * 2 ** st.polls)
                     st.polls += 1
+                    if below:
+                        self._pull(st, local, hit)
                     return None
                 self.stats.handoffs_short += 1
             self.stats.handoff_wait_ms += round((now - st.wait_until + self.pd.wait) * 1000)
@@ -276,6 +280,19 @@ class OffloadScheduler:
         st.async_load = self.loads_async(below)
         self.stats.lookups += 1
         return hit * self.tpp
+
+    def _pull(self, st: RequestState, local: int, hit: int) -> None:
+        """Plan the copy into memory of the promised pages that landed since the last poll: they
+        come in while the rest land (one 4 MiB-page prompt takes ~0.1-1 s to land), and the load
+        that follows reads them from memory. Pages a producer has yet to write are not asked for."""
+        start = max(st.pulled, local)
+        if hit + local <= start:
+            return
+        chains = st.seq.chains[start : local + hit]
+        for g, layout in enumerate(self.groups):
+            if layout.growth is not Growth.PER_SEQUENCE:
+                st.pending_pulls.append(PageOp(st.req_id, g, list(chains), [], list(range(start, local + hit))))
+        st.pulled = local + hit
 
     def _find(self, keys: list[list[PageKey]], local: bool = False) -> tuple[int, dict[str, int]]:
         """How many of these pages (each group's keys) lmkv can restore, and the hit's bytes per tier
@@ -407,6 +424,8 @@ class OffloadScheduler:
             if waiting.pending_loads and waiting.async_load:  # these wait for their load instead of running
                 plan.async_loads.extend(waiting.pending_loads)
                 waiting.pending_loads = []
+            plan.pulls.extend(waiting.pending_pulls)
+            waiting.pending_pulls = []
         planned: set[PageKey] = set()  # two requests completing the same page in one step store it once
         allocated = 0  # blocks the engine handed out this step
         for s in scheduled:

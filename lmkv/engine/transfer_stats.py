@@ -29,6 +29,7 @@ class TransferCounts:
     stored_bytes: int = 0
     rescued_pages: int = 0  # stored pages copied before the forward (lazy offload: blocks the step took)
     dropped_pages: int = 0  # stores skipped because memory had no room
+    pulled_pages: int = 0  # pages a waiting P/D consumer copied into memory as they landed
 
 
 class WorkerStats:

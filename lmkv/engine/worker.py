@@ -162,6 +162,8 @@ class LayerwiseTransfer:
         self._layer_end = None
         if plan.drops:  # superseded states: gone from every tier, in the background
             self.store.submit(self.store.delete, [k for op in plan.drops for k in self.keys(op)])
+        for op in plan.pulls:
+            self.store.submit(self._pull, op)
         self.layers_touched = False  # whether this step ran a forward (its layer hooks)
         if self._streams is not None and (plan.loads or plan.stores or plan.rescues):
             # an earlier step's forward may still read the blocks this step's loads overwrite
@@ -229,6 +231,13 @@ class LayerwiseTransfer:
                 future.start(self._layer_pool)
             self._loads[g] = _GroupLoad(blocks, future, chains, runs)
         self.background.start(self._plan.async_loads)
+
+    def _pull(self, op: PageOp) -> None:
+        """Copy landed pages a waiting consumer was promised into memory (a fetch publishes what it
+        reads there); on the store's I/O threads. A page that fails is left where it is: the load
+        reads it again, and recomputes it if it fails there too."""
+        with self.store.fetch(self.keys(op), self.groups[op.group]) as got:
+            self.stats.add(self.groups[op.group].name, pulled_pages=sum(v is not None for v in got.views))
 
     def transfer_results(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Requests whose asynchronous load finished, and the subset that failed (to recompute);
