@@ -475,6 +475,8 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.close()
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.events is not None:
+            self.events.close()
         if self._remote is not None:
             self._remote.close()
             self._remote = None

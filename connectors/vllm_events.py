@@ -13,10 +13,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
 
+from lmkv import threads
 from lmkv.engine.events import EventLog, PageEvent
 from lmkv.engine.plan import StepPlan
 from lmkv.engine.residency import ResidencyDelta
@@ -30,6 +33,9 @@ from lmkv.lookup import HasContains, locate
 #: evictions and expiries), and about how many pages at a time
 AUDIT_SECONDS = 1.0
 AUDIT_PAGES = 512
+#: how long a step's report waits for the lower tiers to say where the pages memory let go are
+#: (they are asked on a thread of their own: a stalled tier never holds the scheduler up)
+ASK_WAIT_S = 0.005
 
 
 class VllmEvents:
@@ -48,6 +54,8 @@ class VllmEvents:
         self.below: list[HasContains] = []  # the tiers under the workers' memory this side can ask
         self._pending: list = []
         self._audit_at = 0.0
+        self._asker = threads.pool(1, "lmkv-events")  # asks the lower tiers, one question at a time
+        self._asked: list[tuple[list[PageKey], Future]] = []  # questions answered late, or not yet
         self._cap = 2 * max(1, num_blocks) * max(1, len(self.groups))
         self._blocks: OrderedDict[bytes, tuple[bytes | None, bytes]] = OrderedDict()  # hash -> (parent, tokens)
         self._seen: dict[str, int] = {}  # request -> its blocks recorded in _blocks
@@ -104,23 +112,40 @@ class VllmEvents:
         self._pending.extend(self._translate(self.log.cleared()))
 
     def take(self) -> list:
-        """Events since the last call, with what lower tiers dropped by themselves (asked at most every
-        :data:`AUDIT_SECONDS`, :data:`AUDIT_PAGES` pages at a time)."""
-        if time.monotonic() >= self._audit_at:
+        """Events since the last call, with the lower tiers' late answers and what they dropped by
+        themselves (an audit at most every :data:`AUDIT_SECONDS`, :data:`AUDIT_PAGES` pages at a time)."""
+        for keys, fut in [a for a in self._asked if a[1].done()]:
+            self._asked.remove((keys, fut))
+            if fut.exception() is None:  # (a tier that could not answer: the audit asks again later)
+                self._pending.extend(self._translate(self.log.audited(keys, fut.result())))
+        if self.below and not self._asked and time.monotonic() >= self._audit_at:
             self._audit_at = time.monotonic() + AUDIT_SECONDS
-            self._pending.extend(self._translate(self.log.audit(self._audited_below, AUDIT_PAGES)))
+            keys = self.log.audit_batch(AUDIT_PAGES)
+            if keys:
+                self._asked.append((keys, self._asker.submit(locate, keys, self.below, True)))
         out, self._pending = self._pending, []
         return out
 
-    def _below_of(self, keys) -> list[str | None]:
-        return locate(keys, self.below) if self.below else [None] * len(keys)
+    def _below_of(self, keys: Sequence[PageKey]) -> list[str | None]:
+        """Where the pages memory let go are, if the lower tiers answer within :data:`ASK_WAIT_S` and
+        no earlier question is still out (a stalled tier); else none yet, and their events follow
+        when the answer comes (:meth:`take`)."""
+        if not self.below:
+            return [None] * len(keys)
+        idle = not self._asked
+        fut = self._asker.submit(locate, keys, self.below, True)
+        if idle:
+            try:
+                return fut.result(timeout=ASK_WAIT_S)
+            except FutureTimeout:
+                pass
+            except (LMKVError, OSError):
+                return [None] * len(keys)
+        self._asked.append((list(keys), fut))
+        return [None] * len(keys)
 
-    def _audited_below(self, keys) -> list[str | None] | None:
-        """As ``_below_of``, or ``None`` when a tier cannot answer now (not "it holds nothing")."""
-        try:
-            return locate(keys, self.below, strict=True)
-        except (LMKVError, OSError):
-            return None
+    def close(self) -> None:
+        self._asker.shutdown(wait=False, cancel_futures=True)
 
     def _translate(self, events: list[PageEvent]) -> list:
         """lmkv's page events as vLLM's ``BlockStored``/``BlockRemoved``."""

@@ -10,6 +10,8 @@ load can be checked byte for byte.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -329,6 +331,52 @@ def test_kv_events_follow_what_lmkv_holds(model_config, tmp_path):
         assert {(b, "STORAGE") for b in first} <= gone
     finally:
         h.close()
+
+
+def test_kv_events_never_wait_for_a_stalled_lower_tier():
+    """Where a page memory let go is held is asked off the scheduler's thread: with the tier below
+    stalled, the step's report returns at once with the page removed from memory, and its stored
+    event follows once the tier answers; meanwhile later reports do not wait either."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from lmkv.connectors.vllm_events import ASK_WAIT_S, VllmEvents
+    from lmkv.engine.residency import ResidencyDelta
+    from lmkv.keys import page_key
+    from lmkv.layout import attention_layout
+
+    layout = attention_layout("attn", 2, 16, 2, 64, 2, "bfloat16")
+    stall = threading.Event()
+
+    class Stalled:
+        name = "server"
+
+        def contains(self, keys):
+            stall.wait(10)
+            return [True] * len(keys)
+
+    ev = VllmEvents([layout], [0], 16, "d", 8)
+    ev.below = [Stalled()]
+    keys = [page_key(bytes([i + 1]) * 16, layout) for i in range(3)]
+    try:
+        for i, k in enumerate(keys):
+            ev.log.expect(k, (bytes([i]) * 32, 0, None, None))
+        ev.applied(ResidencyDelta(added=list(keys)))
+        assert [type(e) for e in ev.take()] == [BlockStored] * 3
+        for k in keys:  # three step reports, each with a page memory let go
+            t0 = time.monotonic()
+            ev.applied(ResidencyDelta(removed=[k]))
+            assert time.monotonic() - t0 < ASK_WAIT_S + 0.1
+        assert [(type(e), e.medium) for e in ev.take()] == [(BlockRemoved, "CPU")] * 3
+        stall.set()
+        deadline = time.monotonic() + 5
+        late: list = []
+        while len(late) < 3 and time.monotonic() < deadline:
+            late += ev.take()
+            time.sleep(0.01)
+        assert [(type(e), e.medium, e.locality) for e in late] == [(BlockStored, "STORAGE", "REMOTE")] * 3
+    finally:
+        stall.set()
+        ev.close()
 
 
 def test_a_model_lmkv_cannot_restore_whole_is_served_nothing(model_config):

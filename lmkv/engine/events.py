@@ -127,10 +127,22 @@ class EventLog:
         """Ask ``below`` (as in :meth:`apply`; ``None``: a tier could not answer, try later) about up
         to ``limit`` pages reported on lower tiers only, the longest unchecked first; events for
         those no tier holds any more (removed) or that another tier holds now."""
-        keys = list(islice(self._below_only, limit))
+        keys = self.audit_batch(limit)
         where = below(keys) if keys else None
+        return self.audited(keys, where) if where is not None else []
+
+    def audit_batch(self, limit: int) -> list[PageKey]:
+        """The next ``limit`` pages an audit asks about (see :meth:`audit`), for a caller that asks
+        the lower tiers elsewhere (off the scheduler's thread) and hands the answer to :meth:`audited`."""
+        return list(islice(self._below_only, limit))
+
+    def audited(self, keys: Sequence[PageKey], where: Sequence[str | None]) -> list[PageEvent]:
+        """The events of an audit's answer (``where``: per key, the fastest lower tier that holds it);
+        pages back in memory or forgotten since they were asked about are left as they are."""
         events: list[PageEvent] = []
-        for key, tier in zip(keys, where or ()):
+        for key, tier in zip(keys, where):
+            if key not in self._below_only:
+                continue
             held = self._held[key]
             now = {placement_of(tier)} if tier is not None else set()
             events.extend(PageEvent(False, held.info, w) for w in sorted(held.places - now, key=_order))
