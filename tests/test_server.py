@@ -363,3 +363,26 @@ def test_a_layerwise_read_is_one_access_so_pages_not_read_yet_outlive_it(layout)
         assert all(h is not None for h in t.get(keys_b, layout, outs))
         assert all(np.array_equal(o, p) for o, p in zip(outs, payloads_b))
         t.close()
+
+
+@pytest.mark.parametrize("shm", ["never", "auto"])
+def test_a_large_write_goes_in_requests_a_reader_sees_as_they_commit(server, layout, shm, monkeypatch):
+    """A prompt's pages go to the server a few MiB at a time, each request published when it
+    commits: a P/D consumer sees the first pages of an 8B model's prompt (250 MiB) while the rest
+    are on their way, instead of all at once."""
+    from lmkv.tiers import server_client
+    from lmkv.tiers.server_connection import Connection
+
+    calls = []
+    monkeypatch.setattr(server_client, "PUT_BYTES", 3 * layout.payload_bytes)
+    t = _tier(server.url, shm=shm)
+    keys, payloads, pages = make_pages(layout, 8)
+    call = Connection.call
+    monkeypatch.setattr(Connection, "call", lambda self, op, *a, **kw: (calls.append(op), call(self, op, *a, **kw))[1])
+    assert t.put(pages, "engine") == [True] * 8
+    assert calls.count(Op.PUT) == 3  # 3 + 3 + 2 pages
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+    assert all(h is not None for h in t.get(keys, layout, outs))
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    assert server_client._batches(pages, 1) == [(i, i + 1) for i in range(8)]  # (at least one page each)
+    t.close()

@@ -35,6 +35,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +145,7 @@ class LayerwiseTransfer:
         self._plan = StepPlan()
         self._load_keys: list[list[PageKey]] = []  # the keys of the step's loads, in the plan's order
         self._held: list = []
+        self._pulling: list[tuple[set[PageKey], Future]] = []  # pulls in flight: their keys
         self.layers_touched = False
 
     def _device(self, g: int) -> DeviceStaging | None:
@@ -162,8 +164,9 @@ class LayerwiseTransfer:
         self._layer_end = None
         if plan.drops:  # superseded states: gone from every tier, in the background
             self.store.submit(self.store.delete, [k for op in plan.drops for k in self.keys(op)])
+        self._pulling = [(keys, fut) for keys, fut in self._pulling if not fut.done()]
         for op in plan.pulls:
-            self.store.submit(self._pull, op)
+            self._pulling.append((set(self.keys(op)), self.store.submit(self._pull, op)))
         self.layers_touched = False  # whether this step ran a forward (its layer hooks)
         if self._streams is not None and (plan.loads or plan.stores or plan.rescues):
             # an earlier step's forward may still read the blocks this step's loads overwrite
@@ -213,6 +216,9 @@ class LayerwiseTransfer:
                                           [at for _, _, _, at in later], digests={} if on_device else None)
 
     def start_loads(self) -> None:
+        if self._pulling and self._load_keys:  # (pages still coming into memory are not read twice)
+            want = {k for keys in self._load_keys for k in keys}
+            wait_all([f for keys, f in self._pulling if keys & want], timeout=self.store.cfg.remote.timeout)
         by_group: dict[int, tuple[list[PageKey], list[int], list[ChainHash], list[tuple[int, int]]]] = {}
         for op, op_keys in zip(self._plan.loads, self._load_keys):
             keys, blocks, chains, runs = by_group.setdefault(op.group, ([], [], [], []))

@@ -70,6 +70,23 @@ log = logging.getLogger(__name__)
 ARENA_CHUNK_BYTES = 8 << 20
 #: chunk requests sent ahead of the one being answered (the server never waits for the next)
 ARENA_AHEAD = 3
+#: a write's pages go in requests of at most this many bytes (or one page): the server publishes a
+#: request's pages when it commits it, so a reader (a P/D consumer) sees a prompt's first pages
+#: while the rest are on their way, not all 250 MiB of an 8B model's 2k-token prompt at once
+PUT_BYTES = 32 << 20
+
+
+def _batches(pages: Sequence[tuple[PageHeader, memoryview]], limit: int) -> list[tuple[int, int]]:
+    """``pages[i:j]`` ranges of at most ``limit`` bytes (or one page) and :data:`MAX_KEYS` pages each."""
+    out, i = [], 0
+    while i < len(pages):
+        j, size = i, 0
+        while j < len(pages) and j - i < MAX_KEYS and (j == i or size + len(pages[j][1]) <= limit):
+            size += len(pages[j][1])
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
 
 
 def parse_url(url: str) -> tuple[str, int, bool]:
@@ -357,20 +374,15 @@ class ServerTier(RemoteTier):
         with self._conn() as c:
             src = self._arena_offsets(c, [v for _, v in pages])
             if src is not None:  # the server copies straight from the caller's arena slots
-                for i in range(0, len(pages), MAX_KEYS):
-                    headers = [h.pack() for h, _ in pages[i : i + MAX_KEYS]]
-                    lent = [(o, len(v)) for o, (_, v) in zip(src[i : i + MAX_KEYS], pages[i : i + MAX_KEYS])]
-                    out += c.call(Op.PUT, Put(headers, domain, src=src[i : i + MAX_KEYS]), Stored, lent=lent).stored
+                for i, j in _batches(pages, PUT_BYTES):
+                    headers = [h.pack() for h, _ in pages[i:j]]
+                    lent = [(o, len(v)) for o, (_, v) in zip(src[i:j], pages[i:j])]
+                    out += c.call(Op.PUT, Put(headers, domain, src=src[i:j]), Stored, lent=lent).stored
                 return out
-            limit = len(c.window) if c.window is not None else c.max_bulk
-            i = 0
-            while i < len(pages):
-                batch: list[tuple[PageHeader, memoryview]] = []
-                size = 0
-                while i < len(pages) and len(batch) < MAX_KEYS and (not batch or size + len(pages[i][1]) <= limit):
-                    batch.append(pages[i])
-                    size += len(pages[i][1])
-                    i += 1
+            limit = min(PUT_BYTES, len(c.window) if c.window is not None else c.max_bulk)
+            for i, j in _batches(pages, limit):
+                batch = pages[i:j]
+                size = sum(len(v) for _, v in batch)
                 headers = [h.pack() for h, _ in batch]
                 if c.window is not None and size <= len(c.window):
                     off = 0
