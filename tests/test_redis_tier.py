@@ -257,3 +257,31 @@ def test_memory_evictions_never_write_a_page_to_redis_twice(redis_node, layout, 
     # write-through: each page once as it is put; write-back: each page once as memory evicts it
     # (the 8 fresh ones are still in memory)
     assert written == (208 if policy == "write_through" else 200)
+
+
+def test_a_large_write_is_published_a_part_at_a_time(redis_node, layout, monkeypatch):
+    """Headers (what makes a page visible) go after each few MiB of payloads, not after the whole
+    write: a P/D consumer pulls a prompt's first pages while the rest are on their way."""
+    import redis.asyncio.client as aclient
+
+    from lmkv.tiers import remote
+
+    monkeypatch.setattr(remote, "PUBLISH_BYTES", 3 * layout.payload_bytes)
+    published: list[int] = []
+    execute = aclient.Pipeline.execute
+
+    async def counted(self, *a, **kw):
+        published.append(len(self.command_stack))
+        return await execute(self, *a, **kw)
+
+    monkeypatch.setattr(aclient.Pipeline, "execute", counted)
+    t = RedisTier(RemoteConfig(url=redis_node.url, key_prefix=f"t{time.monotonic_ns()}:"))
+    try:
+        keys, payloads, pages = make_pages(layout, 8)
+        assert t.put(pages, "engine") == [True] * 8
+        assert published == [3, 3, 2]
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        assert all(h is not None for h in t.get(keys, layout, outs))
+        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    finally:
+        t.close()

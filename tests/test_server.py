@@ -370,11 +370,11 @@ def test_a_large_write_goes_in_requests_a_reader_sees_as_they_commit(server, lay
     """A prompt's pages go to the server a few MiB at a time, each request published when it
     commits: a P/D consumer sees the first pages of an 8B model's prompt (250 MiB) while the rest
     are on their way, instead of all at once."""
-    from lmkv.tiers import server_client
+    from lmkv.tiers import remote
     from lmkv.tiers.server_connection import Connection
 
     calls = []
-    monkeypatch.setattr(server_client, "PUT_BYTES", 3 * layout.payload_bytes)
+    monkeypatch.setattr(remote, "PUBLISH_BYTES", 3 * layout.payload_bytes)
     t = _tier(server.url, shm=shm)
     keys, payloads, pages = make_pages(layout, 8)
     call = Connection.call
@@ -384,5 +384,6 @@ def test_a_large_write_goes_in_requests_a_reader_sees_as_they_commit(server, lay
     outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
     assert all(h is not None for h in t.get(keys, layout, outs))
     assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
-    assert server_client._batches(pages, 1) == [(i, i + 1) for i in range(8)]  # (at least one page each)
+    assert remote.batches([9] * 4, 1, 8) == [range(i, i + 1) for i in range(4)]  # (at least one page each)
+    assert remote.batches([1] * 5, 100, 2) == [range(0, 2), range(2, 4), range(4, 5)]
     t.close()

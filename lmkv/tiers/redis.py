@@ -57,9 +57,10 @@ from lmkv.errors import PageError, PartlyStoredError, TierUnavailableError
 from lmkv.keys import PageKey, key_hex
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, unpack_header
+from lmkv.tiers import remote
 from lmkv.tiers.base import Range
 from lmkv.tiers.redis_nodes import ClusterNodes
-from lmkv.tiers.remote import RemoteTier
+from lmkv.tiers.remote import RemoteTier, batches
 
 #: packed headers kept client-side (about 200 bytes each for an 8-layer page)
 HEADER_CACHE = 65536
@@ -391,12 +392,20 @@ class RedisTier(RemoteTier):
 
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
         """Payloads one ``SET`` at a time (measured faster than pipelining many 2 MiB values, and it
-        bounds what the client buffers), then every header in one pipeline: a page becomes
-        visible only once its payload is there. On a cluster each node's pages go concurrently;
-        pages whose node is down raise :class:`PartlyStoredError` once the rest are written."""
+        bounds what the client buffers), then their headers in one pipeline, every
+        :data:`~lmkv.tiers.remote.PUBLISH_BYTES` of payloads: a page becomes visible only once its
+        payload is there, and a reader sees a large write's first pages while the rest are on
+        their way. On a cluster each node's pages go concurrently; pages whose node is down raise
+        :class:`PartlyStoredError` once the rest are written."""
         names = [self._names(h.key) for h, _ in pages]
 
         async def job(client, idx: list[int]) -> list[bool]:
+            ok: list[bool] = []
+            for r in batches([len(pages[i][1]) for i in idx], remote.PUBLISH_BYTES, len(idx)):
+                ok += await publish(client, idx[r.start : r.stop])
+            return ok
+
+        async def publish(client, idx: list[int]) -> list[bool]:
             ok: list[bool] = []
             for i in idx:
                 try:

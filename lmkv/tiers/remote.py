@@ -40,6 +40,25 @@ from lmkv.tiers.base import Range, Tier, WriteSession
 
 log = logging.getLogger(__name__)
 
+#: a write's pages are published (made visible to readers) this many bytes at a time, or a page at
+#: a time if pages are larger: a reader (a P/D consumer) pulls a prompt's first pages while the
+#: rest are on their way, not all 250 MiB of an 8B model's 2k-token prompt at once
+PUBLISH_BYTES = 32 << 20
+
+
+def batches(sizes: Sequence[int], limit: int, most: int) -> list[range]:
+    """Consecutive index ranges of at most ``limit`` bytes (at least one item) and ``most`` items."""
+    out: list[range] = []
+    i = 0
+    while i < len(sizes):
+        j, total = i, 0
+        while j < len(sizes) and j - i < most and (j == i or total + sizes[j] <= limit):
+            total += sizes[j]
+            j += 1
+        out.append(range(i, j))
+        i = j
+    return out
+
 
 class Health:
     """Up or down, with a background reconnect loop while down.

@@ -38,9 +38,10 @@ from lmkv.errors import PageError, TierBusyError, TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, landing_chunks, units_in_ranges, unpack_header, verify_units
+from lmkv.tiers import remote
 from lmkv.tiers.base import Range
 from lmkv.tiers.quarantine import Quarantine
-from lmkv.tiers.remote import Checked, RemoteTier
+from lmkv.tiers.remote import Checked, RemoteTier, batches
 from lmkv.tiers.server_connection import Connection, UnixEndpoint
 from lmkv.wire import shm_window
 from lmkv.wire.protocol import (
@@ -70,23 +71,6 @@ log = logging.getLogger(__name__)
 ARENA_CHUNK_BYTES = 8 << 20
 #: chunk requests sent ahead of the one being answered (the server never waits for the next)
 ARENA_AHEAD = 3
-#: a write's pages go in requests of at most this many bytes (or one page): the server publishes a
-#: request's pages when it commits it, so a reader (a P/D consumer) sees a prompt's first pages
-#: while the rest are on their way, not all 250 MiB of an 8B model's 2k-token prompt at once
-PUT_BYTES = 32 << 20
-
-
-def _batches(pages: Sequence[tuple[PageHeader, memoryview]], limit: int) -> list[tuple[int, int]]:
-    """``pages[i:j]`` ranges of at most ``limit`` bytes (or one page) and :data:`MAX_KEYS` pages each."""
-    out, i = [], 0
-    while i < len(pages):
-        j, size = i, 0
-        while j < len(pages) and j - i < MAX_KEYS and (j == i or size + len(pages[j][1]) <= limit):
-            size += len(pages[j][1])
-            j += 1
-        out.append((i, j))
-        i = j
-    return out
 
 
 def parse_url(url: str) -> tuple[str, int, bool]:
@@ -371,17 +355,18 @@ class ServerTier(RemoteTier):
 
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
         out: list[bool] = []
+        sizes = [len(v) for _, v in pages]
         with self._conn() as c:
             src = self._arena_offsets(c, [v for _, v in pages])
             if src is not None:  # the server copies straight from the caller's arena slots
-                for i, j in _batches(pages, PUT_BYTES):
-                    headers = [h.pack() for h, _ in pages[i:j]]
-                    lent = [(o, len(v)) for o, (_, v) in zip(src[i:j], pages[i:j])]
-                    out += c.call(Op.PUT, Put(headers, domain, src=src[i:j]), Stored, lent=lent).stored
+                for r in batches(sizes, remote.PUBLISH_BYTES, MAX_KEYS):  # (the server publishes each PUT)
+                    headers = [h.pack() for h, _ in pages[r.start : r.stop]]
+                    lent = [(src[i], sizes[i]) for i in r]
+                    out += c.call(Op.PUT, Put(headers, domain, src=src[r.start : r.stop]), Stored, lent=lent).stored
                 return out
-            limit = min(PUT_BYTES, len(c.window) if c.window is not None else c.max_bulk)
-            for i, j in _batches(pages, limit):
-                batch = pages[i:j]
+            limit = min(remote.PUBLISH_BYTES, len(c.window) if c.window is not None else c.max_bulk)
+            for r in batches(sizes, limit, MAX_KEYS):
+                batch = pages[r.start : r.stop]
                 size = sum(len(v) for _, v in batch)
                 headers = [h.pack() for h, _ in batch]
                 if c.window is not None and size <= len(c.window):
