@@ -124,6 +124,10 @@ class AsyncLookups:
             if started is not None:
                 self._took.append(time.monotonic() - started)
 
+    def waiting(self) -> set[str]:
+        """Requests whose lookup is still out."""
+        return set(self._pending)
+
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
 
