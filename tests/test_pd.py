@@ -53,6 +53,15 @@ def _run_until(h: Harness, req, timeout: float = 30) -> float:
     return longest
 
 
+def _step_until_pulled(d: Harness, pages: int, timeout: float = 10) -> None:
+    """Steps of a consumer that waits for the rest of a hand-off, until it pulled ``pages``."""
+    deadline = time.monotonic() + timeout
+    while d.worker.worker.stats.totals.pulled_pages < pages and time.monotonic() < deadline:
+        assert not d.step().num_scheduled_tokens  # (still waiting for the rest)
+        _store_of(d).drain()
+    assert d.worker.worker.stats.totals.pulled_pages == pages
+
+
 def test_a_producer_stores_every_prompt_block_whatever_the_policy_and_says_so(model_config, tmp_path):
     """Lazy offload would store nothing of a prefill that fits the engine: a producer stores all."""
     p, d = _pair(model_config, tmp_path, producer={"offload": {"policy": "lazy"}})
@@ -104,11 +113,7 @@ def test_a_waiting_consumer_pulls_pages_into_memory_as_they_land(model_config, t
         p.run(p.request("a0", prompt[: first * BLOCK], max_tokens=1))
         _store_of(p).drain()
         shared = _store_of(d).tiers[1]
-        deadline = time.monotonic() + 10
-        while d.worker.worker.stats.totals.pulled_pages < first and time.monotonic() < deadline:
-            assert not d.step().num_scheduled_tokens  # still waiting for the rest
-            _store_of(d).drain()
-        assert d.worker.worker.stats.totals.pulled_pages == first
+        _step_until_pulled(d, first)
         assert shared.stats.hits == first
         p.run(p.request("a", prompt, max_tokens=1))
         _store_of(p).drain()
@@ -377,11 +382,7 @@ def test_a_consumer_whose_tier_stalls_mid_wait_loads_what_had_landed(model_confi
             _store_of(p).drain()
             b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
             d.sched.add_request(b)
-            deadline = time.monotonic() + 5
-            while d.worker.worker.stats.totals.pulled_pages < came and time.monotonic() < deadline:
-                assert not d.step().num_scheduled_tokens
-                _store_of(d).drain()
-            assert d.worker.worker.stats.totals.pulled_pages == came
+            _step_until_pulled(d, came)
             os.kill(server.proc.pid, signal.SIGSTOP)
             assert _wait_to_run(d, "b") < 1.0 + 0.3
             _run_until(d, b)
