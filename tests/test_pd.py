@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from support.scheduler_harness import BLOCK, Harness, tokens  # noqa: E402
 
 from lmkv.dev.server_process import spawn  # noqa: E402
+from lmkv.engine.lookups import NOT_YET  # noqa: E402
 from lmkv.engine.stores import live_stores  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -162,6 +163,31 @@ def test_a_waiting_consumer_asks_with_backoff_and_paces_an_idle_engine_only(mode
     finally:
         p.close()
         d.close()
+
+
+def test_an_idle_engine_is_paced_only_while_nothing_else_waits():
+    """The pause of a step that runs nothing lasts until a waiting consumer's next poll, and is
+    none while another request waits for its own lookup (it runs the moment the answer comes)."""
+    import threading
+
+    from lmkv.config import load_config
+    from lmkv.engine.scheduler import POLL_MAX_S, OffloadScheduler
+    from lmkv.layout import attention_layout
+    from lmkv.store import TieredStore
+
+    layout = attention_layout("attn", 2, BLOCK, 2, 64, 2, "bfloat16")
+    with TieredStore(load_config({"memory": {"capacity": "4MiB"}}, environ={})) as store:
+        s = OffloadScheduler(store, [layout], BLOCK, "m", "ns", role="consumer", lookup_timeout=5)
+        assert s.idle_wait() == 0.0  # (no one waits)
+        st = s.track("a", prompt_tokens=PROMPT, expect_pages=PAGES)
+        st.next_poll = time.monotonic() + 0.02
+        assert 0.01 < s.idle_wait() <= min(0.02, POLL_MAX_S)
+        answer = threading.Event()
+        s.track("b", prompt_tokens=PROMPT)
+        assert s._lookups.result("b", 0, lambda: answer.wait(5)) is NOT_YET
+        assert s.idle_wait() == 0.0
+        answer.set()
+        s.close()
 
 
 def test_a_consumer_gives_up_at_its_deadline_and_uploads_nothing(model_config, tmp_path):
