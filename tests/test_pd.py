@@ -9,9 +9,11 @@ tier, the shared tier of these tests. This file also runs on vLLM 0.33.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -31,11 +33,18 @@ PROMPT = 100  # 6 full pages of 16 tokens
 PAGES = PROMPT // BLOCK
 
 
-def _pair(model_config, tmp_path, producer: dict | None = None, consumer: dict | None = None):
+@contextlib.contextmanager
+def _pair(model_config, tmp_path, producer: dict | None = None,
+          consumer: dict | None = None) -> Iterator[tuple[Harness, Harness]]:
+    """A producer and a consumer sharing a disk tier, closed on the way out."""
     shared = {"memory": {"capacity": "64MiB"}, "disk": {"path": str(tmp_path / "shared")}}
     p = Harness(model_config, {**shared, **(producer or {})}, role="kv_producer")
     d = Harness(model_config, {**shared, **(consumer or {})}, role="kv_consumer")
-    return p, d
+    try:
+        yield p, d
+    finally:
+        p.close()
+        d.close()
 
 
 def _store_of(h: Harness):
@@ -65,25 +74,20 @@ def _step_until_pulled(d: Harness, pages: int, timeout: float = 10) -> None:
 
 def test_a_producer_stores_every_prompt_block_whatever_the_policy_and_says_so(model_config, tmp_path):
     """Lazy offload would store nothing of a prefill that fits the engine: a producer stores all."""
-    p, d = _pair(model_config, tmp_path, producer={"offload": {"policy": "lazy"}})
-    try:
+    with _pair(model_config, tmp_path, producer={"offload": {"policy": "lazy"}}) as (p, d):
         a = p.request("a", tokens(PROMPT, 1), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         p.run(a)
         _store_of(p).drain()
         assert p.worker.worker.stats.totals.stored_pages == PAGES
         assert p.transfer_params["a"] == {"lmkv": {"pages": PAGES}}
         assert d.transfer_params == {}  # (a consumer announces nothing)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_a_consumer_waits_for_announced_pages_and_loads_them(model_config, tmp_path):
     """The consumer's request arrives before the producer's pages: it waits ("not yet") while the
     consumer's scheduler keeps stepping, then loads every announced page; it stores nothing of the
     prompt it was handed."""
-    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 20}})
-    try:
+    with _pair(model_config, tmp_path, consumer={"pd": {"wait": 20}}) as (p, d):
         prompt = tokens(PROMPT, 2)
         b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
         d.sched.add_request(b)
@@ -97,17 +101,13 @@ def test_a_consumer_waits_for_announced_pages_and_loads_them(model_config, tmp_p
         assert d.worker.worker.stats.totals.loaded_pages == PAGES
         d.check_kv(b, PROMPT + 2)
         assert d.worker.worker.stats.totals.stored_pages == 0
-    finally:
-        p.close()
-        d.close()
 
 
 def test_a_waiting_consumer_pulls_pages_into_memory_as_they_land(model_config, tmp_path):
     """The producer's pages land in two bursts (its prefill's steps): while the consumer waits for
     the rest, it copies the first burst into its memory, so its load reads only the second burst
     from the shared tier, and no page twice."""
-    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 20}})
-    try:
+    with _pair(model_config, tmp_path, consumer={"pd": {"wait": 20}}) as (p, d):
         prompt, first = tokens(PROMPT, 17), 4
         b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
         d.sched.add_request(b)
@@ -124,9 +124,6 @@ def test_a_waiting_consumer_pulls_pages_into_memory_as_they_land(model_config, t
         assert shared.stats.hits == PAGES
         assert not d.served_wrong_kv
         d.check_kv(b, PROMPT + 2)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_a_waiting_consumer_asks_with_backoff_and_paces_an_idle_engine_only(model_config, tmp_path):
@@ -136,8 +133,7 @@ def test_a_waiting_consumer_asks_with_backoff_and_paces_an_idle_engine_only(mode
     another request is not paced."""
     from lmkv.engine.scheduler import POLL_MAX_S
 
-    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.5}})
-    try:
+    with _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.5}}) as (p, d):
         sched = d.sched.connector.scheduler
         asked = []
         lookup = sched.store.lookup
@@ -160,9 +156,6 @@ def test_a_waiting_consumer_asks_with_backoff_and_paces_an_idle_engine_only(mode
             assert "c" not in d.step().num_scheduled_tokens
             steps += 1
         assert steps > 3 * 0.3 / POLL_MAX_S  # (r's steps are not paced by c's wait)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_an_idle_engine_is_paced_only_while_nothing_else_waits():
@@ -193,8 +186,7 @@ def test_an_idle_engine_is_paced_only_while_nothing_else_waits():
 def test_a_consumer_gives_up_at_its_deadline_and_uploads_nothing(model_config, tmp_path):
     """Announced pages that never come: the request runs once ``pd.wait`` has passed, recomputing
     its prompt, which the consumer does not store (it only ever had it because it did not come)."""
-    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.3}})
-    try:
+    with _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.3}}) as (p, d):
         b = d.request("b", tokens(PROMPT, 3), max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
         d.sched.add_request(b)
         t0 = time.monotonic()
@@ -207,23 +199,17 @@ def test_a_consumer_gives_up_at_its_deadline_and_uploads_nothing(model_config, t
         assert d.worker.worker.stats.totals.loaded_pages == 0 and d.worker.worker.stats.totals.stored_pages == 0
         _store_of(d).drain()
         assert len(_store_of(d).tiers[1]) == 0  # nothing reached the shared tier
-    finally:
-        p.close()
-        d.close()
 
 
 @pytest.mark.parametrize("stores_decoded", [True, False])
 def test_a_consumer_stores_the_blocks_it_decoded_only_if_told(model_config, tmp_path, stores_decoded):
     """The answer's blocks are what the next turn's prefill on the producer could load."""
-    p, d = _pair(model_config, tmp_path, consumer={"pd": {"consumer_stores_decoded": stores_decoded, "wait": 0}})
-    try:
+    pd = {"consumer_stores_decoded": stores_decoded, "wait": 0}
+    with _pair(model_config, tmp_path, consumer={"pd": pd}) as (p, d):
         b = d.request("b", tokens(PROMPT, 4), max_tokens=30)  # 100 + 30 tokens: pages 6 and 7 are decoded
         d.run(b)
         stored = d.worker.worker.stats.totals.stored_pages
         assert stored == (2 if stores_decoded else 0)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_a_stalled_network_tier_never_stalls_the_scheduler(model_config, silent_listener):
@@ -309,8 +295,7 @@ def test_requests_over_a_stalled_tier_wait_a_moment_not_each_a_lookup_timeout(mo
 def test_a_consumer_loads_the_pages_that_came_and_computes_exactly_the_rest(model_config, tmp_path):
     """The producer died after storing 3 of the 6 pages it would have announced: the consumer
     waits out ``pd.wait``, loads those 3 and computes the prompt's other tokens."""
-    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.3}})
-    try:
+    with _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.3}}) as (p, d):
         prompt, came = tokens(PROMPT, 12), 3
         p.run(p.request("a", prompt[: came * BLOCK], max_tokens=1))
         _store_of(p).drain()
@@ -324,16 +309,12 @@ def test_a_consumer_loads_the_pages_that_came_and_computes_exactly_the_rest(mode
         assert 300 <= d.connector_stats.get("scheduler.handoff_wait_ms", 0) < 1000
         assert not d.served_wrong_kv
         d.check_kv(b, PROMPT + 2)
-    finally:
-        p.close()
-        d.close()
 
 
 def test_a_torn_page_on_the_shared_tier_is_recomputed_from_there(model_config, tmp_path):
     """A page file cut short on the shared tier (a writer that died mid-write, a full disk): the
     consumer loads what verifies and recomputes the rest, token-exact."""
-    p, d = _pair(model_config, tmp_path, consumer={"pd": {"wait": 1}})
-    try:
+    with _pair(model_config, tmp_path, consumer={"pd": {"wait": 1}}) as (p, d):
         prompt = tokens(PROMPT, 13)
         p.run(p.request("a", prompt, max_tokens=1))
         _store_of(p).drain()
@@ -348,9 +329,6 @@ def test_a_torn_page_on_the_shared_tier_is_recomputed_from_there(model_config, t
         assert d.worker.worker.stats.totals.loaded_pages < PAGES
         assert not d.served_wrong_kv
         d.check_kv(b, PROMPT + 2)
-    finally:
-        p.close()
-        d.close()
 
 
 @pytest.mark.parametrize("fate", ["killed", "stopped"])
@@ -425,8 +403,6 @@ def test_a_consumer_whose_tier_stalls_mid_wait_loads_what_had_landed(model_confi
 def test_live_stores_are_released(model_config, tmp_path):
     """(Two engines in one process: each releases its store when closed.)"""
     before = len(live_stores())
-    p, d = _pair(model_config, tmp_path)
-    assert len(live_stores()) == before + 2
-    p.close()
-    d.close()
+    with _pair(model_config, tmp_path):
+        assert len(live_stores()) == before + 2
     assert len(live_stores()) == before
