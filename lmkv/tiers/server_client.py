@@ -367,7 +367,7 @@ class ServerTier(RemoteTier):
             limit = min(remote.PUBLISH_BYTES, len(c.window) if c.window is not None else c.max_bulk)
             for r in batches(sizes, limit, MAX_KEYS):
                 batch = pages[r.start : r.stop]
-                size = sum(len(v) for _, v in batch)
+                size = sum(sizes[i] for i in r)
                 headers = [h.pack() for h, _ in batch]
                 if c.window is not None and size <= len(c.window):
                     off = 0
