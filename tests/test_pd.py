@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from support.scheduler_harness import BLOCK, Harness, tokens  # noqa: E402
 
-from lmkv.dev.server_process import spawn  # noqa: E402
+from lmkv.dev.server_process import ServerProcess, spawn  # noqa: E402
 from lmkv.engine.lookups import NOT_YET  # noqa: E402
 from lmkv.engine.stores import live_stores  # noqa: E402
 
@@ -34,10 +34,9 @@ PAGES = PROMPT // BLOCK
 
 
 @contextlib.contextmanager
-def _pair(model_config, tmp_path, producer: dict | None = None,
-          consumer: dict | None = None) -> Iterator[tuple[Harness, Harness]]:
-    """A producer and a consumer sharing a disk tier, closed on the way out."""
-    shared = {"memory": {"capacity": "64MiB"}, "disk": {"path": str(tmp_path / "shared")}}
+def _engines(model_config, shared: dict, producer: dict | None = None,
+             consumer: dict | None = None) -> Iterator[tuple[Harness, Harness]]:
+    """A producer and a consumer on the ``shared`` tier settings, closed on the way out."""
     p = Harness(model_config, {**shared, **(producer or {})}, role="kv_producer")
     d = Harness(model_config, {**shared, **(consumer or {})}, role="kv_consumer")
     try:
@@ -45,6 +44,27 @@ def _pair(model_config, tmp_path, producer: dict | None = None,
     finally:
         p.close()
         d.close()
+
+
+def _pair(model_config, tmp_path, producer: dict | None = None, consumer: dict | None = None):
+    """A producer and a consumer sharing a disk tier."""
+    shared = {"memory": {"capacity": "64MiB"}, "disk": {"path": str(tmp_path / "shared")}}
+    return _engines(model_config, shared, producer, consumer)
+
+
+@contextlib.contextmanager
+def _server_pair(model_config, wait: float) -> Iterator[tuple[ServerProcess, Harness, Harness]]:
+    """A producer and a consumer sharing a real ``lmkv serve`` (resumed before the engines close if
+    a test stopped it)."""
+    with spawn("--memory", "64MiB") as server:
+        remote = {"url": server.url, "shm": "never", "timeout": 5, "lookup_timeout": 4}
+        with _engines(model_config, {"memory": {"capacity": "64MiB"}, "remote": remote},
+                      consumer={"pd": {"wait": wait}}) as (p, d):
+            try:
+                yield server, p, d
+            finally:
+                if server.proc.poll() is None:
+                    os.kill(server.proc.pid, signal.SIGCONT)
 
 
 def _store_of(h: Harness):
@@ -337,67 +357,48 @@ def test_a_consumer_recomputes_within_pd_wait_when_the_shared_server_dies_or_sta
     consumer asks: the consumer's request runs at ``pd.wait`` (far sooner than the tier's
     timeouts) and computes its prompt token-exact; a stalled server that resumes serves the next
     hand-off."""
-    with spawn("--memory", "64MiB") as server:
-        remote = {"url": server.url, "shm": "never", "timeout": 5, "lookup_timeout": 4}
-        p = Harness(model_config, {"memory": {"capacity": "64MiB"}, "remote": remote}, role="kv_producer")
-        d = Harness(model_config, {"memory": {"capacity": "64MiB"}, "remote": remote, "pd": {"wait": 0.5}},
-                    role="kv_consumer")
-        try:
-            prompt = tokens(PROMPT, 14)
-            p.run(p.request("a", prompt, max_tokens=1))
+    with _server_pair(model_config, 0.5) as (server, p, d):
+        prompt = tokens(PROMPT, 14)
+        p.run(p.request("a", prompt, max_tokens=1))
+        _store_of(p).drain()
+        os.kill(server.proc.pid, signal.SIGKILL if fate == "killed" else signal.SIGSTOP)
+        b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(b)
+        assert _wait_to_run(d, "b") < 0.5 + 0.3
+        _run_until(d, b)
+        assert d.worker.worker.stats.totals.loaded_pages == 0
+        assert not d.served_wrong_kv
+        d.check_kv(b, PROMPT + 2)
+        if fate == "stopped":
+            os.kill(server.proc.pid, signal.SIGCONT)
+            again = tokens(PROMPT, 15)
+            p.run(p.request("a2", again, max_tokens=1))
             _store_of(p).drain()
-            os.kill(server.proc.pid, signal.SIGKILL if fate == "killed" else signal.SIGSTOP)
-            b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
-            d.sched.add_request(b)
-            assert _wait_to_run(d, "b") < 0.5 + 0.3
-            _run_until(d, b)
-            assert d.worker.worker.stats.totals.loaded_pages == 0
-            assert not d.served_wrong_kv
-            d.check_kv(b, PROMPT + 2)
-            if fate == "stopped":
-                os.kill(server.proc.pid, signal.SIGCONT)
-                again = tokens(PROMPT, 15)
-                p.run(p.request("a2", again, max_tokens=1))
-                _store_of(p).drain()
-                c = d.request("c", again, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
-                d.sched.add_request(c)
-                _run_until(d, c)
-                assert d.worker.worker.stats.totals.loaded_pages == PAGES
-                d.check_kv(c, PROMPT + 2)
-        finally:
-            if server.proc.poll() is None:
-                os.kill(server.proc.pid, signal.SIGCONT)
-            p.close()
-            d.close()
+            c = d.request("c", again, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+            d.sched.add_request(c)
+            _run_until(d, c)
+            assert d.worker.worker.stats.totals.loaded_pages == PAGES
+            d.check_kv(c, PROMPT + 2)
 
 
 def test_a_consumer_whose_tier_stalls_mid_wait_loads_what_had_landed(model_config):
     """Half the announced pages landed and were pulled into the consumer's memory, then the shared
     server stalls: at ``pd.wait`` the consumer loads those pages from its own memory and computes
     the rest, instead of taking the unanswered lookup for a miss (or waiting on the stalled tier)."""
-    with spawn("--memory", "64MiB") as server:
-        remote = {"url": server.url, "shm": "never", "timeout": 5, "lookup_timeout": 4}
-        p = Harness(model_config, {"memory": {"capacity": "64MiB"}, "remote": remote}, role="kv_producer")
-        d = Harness(model_config, {"memory": {"capacity": "64MiB"}, "remote": remote, "pd": {"wait": 1.0}},
-                    role="kv_consumer")
-        try:
-            prompt, came = tokens(PROMPT, 20), 3
-            p.run(p.request("a", prompt[: came * BLOCK], max_tokens=1))
-            _store_of(p).drain()
-            b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
-            d.sched.add_request(b)
-            _step_until_pulled(d, came)
-            os.kill(server.proc.pid, signal.SIGSTOP)
-            assert _wait_to_run(d, "b") < 1.0 + 0.3
-            _run_until(d, b)
-            assert d.worker.worker.stats.totals.loaded_pages == came
-            assert d.connector_stats.get("scheduler.lookups_timed_out") == 1
-            assert not d.served_wrong_kv
-            d.check_kv(b, PROMPT + 2)
-        finally:
-            os.kill(server.proc.pid, signal.SIGCONT)
-            p.close()
-            d.close()
+    with _server_pair(model_config, 1.0) as (server, p, d):
+        prompt, came = tokens(PROMPT, 20), 3
+        p.run(p.request("a", prompt[: came * BLOCK], max_tokens=1))
+        _store_of(p).drain()
+        b = d.request("b", prompt, max_tokens=3, kv_transfer_params={"lmkv": {"pages": PAGES}})
+        d.sched.add_request(b)
+        _step_until_pulled(d, came)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        assert _wait_to_run(d, "b") < 1.0 + 0.3
+        _run_until(d, b)
+        assert d.worker.worker.stats.totals.loaded_pages == came
+        assert d.connector_stats.get("scheduler.lookups_timed_out") == 1
+        assert not d.served_wrong_kv
+        d.check_kv(b, PROMPT + 2)
 
 
 def test_live_stores_are_released(model_config, tmp_path):
