@@ -20,6 +20,7 @@ BENCHES = {
                  "and the forward's-stream path (GPU only)",
     "pd": "prefill/decode hand-off between two vllm serve engines through a shared tier: D's loads, TTFT, "
           "a stalled tier's cost",
+    "scale": "scheduler lookups of a 131k-token prompt, a disk tier opening over 100k pages, a 1M-page memory index",
     "gds": "disk-tier pages read into / written from device memory with GPUDirect Storage, beside raw cuFile "
            "and the POSIX + pinned-host path (GPU only)",
 }

@@ -230,6 +230,9 @@ class QuotaConfig(_Section):
     disk_bytes: ByteSize | None = Field(None, description="bytes in the server's disk tier")
     disk_pages: int | None = Field(None, ge=1, description="pages in the server's disk tier")
     domains: int = Field(256, ge=1, le=65536, description="residency domains owning pages at once")
+    connections: int | None = Field(
+        None, ge=1, le=65536, description="authenticated connections at once; unset: an equal share of "
+        "server.max_connections among the tenants (all of it for a server without tenants)")
 
 
 class TenantConfig(_Section):

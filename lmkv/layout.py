@@ -111,6 +111,11 @@ class GroupLayout:
             self.layer_range(layer, seg) for layer in range(self.num_layers) for seg in range(len(self.segments))
         )
 
+    @functools.cached_property
+    def unit_starts(self) -> dict[int, int]:
+        """Each unit's first byte -> its index (how byte ranges are checked against units)."""
+        return {start: u for u, (start, _) in enumerate(self.unit_ranges)}
+
     def segment_index(self, name: str) -> int:
         for i, s in enumerate(self.segments):
             if s.name == name:

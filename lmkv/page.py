@@ -25,6 +25,7 @@ computing it is one pass over the payload, done once when the page is made.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -207,8 +208,13 @@ def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterab
     if len(view) < header.payload_len:
         raise ShortReadError(f"payload has {len(view)} bytes, header says {header.payload_len}")
     units = list(units)
-    for u, got in zip(units, _digests(layout, view, units)):
-        if got != header.unit_digest(u):
+    got = _digests(layout, view, units)
+    first = units[0] if units else 0
+    if units == list(range(first, first + len(units))):  # (one comparison for a run of units: every GET's case)
+        if struct.pack(f"<{len(got)}Q", *got) == header.digests[8 * first : 8 * (first + len(units))]:
+            return
+    for u, d in zip(units, got):
+        if d != header.unit_digest(u):
             raise _mismatch(header, layout, u)
 
 
@@ -239,21 +245,30 @@ def copy_units(layout: GroupLayout, payload, units: Sequence) -> None:
 LANDING_CHUNK_BYTES = 256 << 10
 
 
-def landing_chunks(layout: GroupLayout, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, list[int]]]:
+#: a run of whole units: (start, end, the units in it)
+Chunk = tuple[int, int, tuple[int, ...]]
+
+
+def landing_chunks(layout: GroupLayout, ranges: Sequence[tuple[int, int]]) -> tuple[Chunk, ...]:
     """``ranges`` (whole units) cut into runs of whole units of about :data:`LANDING_CHUNK_BYTES`:
     (start, end, the units in it). A receive that verifies each run right after it lands hashes
     bytes still in cache: measured here 1.45x as fast as receiving whole pages and hashing them on a
-    second thread."""
-    out: list[tuple[int, int, list[int]]] = []
+    second thread. (Remembered per layout and ranges: every GET of a page asks the same.)"""
+    return _landing_chunks(layout, tuple(map(tuple, ranges)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _landing_chunks(layout: GroupLayout, ranges: tuple[tuple[int, int], ...]) -> tuple[Chunk, ...]:
+    out: list[Chunk] = []
     for a, b in ranges:
         start, units = a, []
         for u in units_in_ranges(layout, [(a, b)]):
             units.append(u)
             end = layout.unit_ranges[u][1]
             if end - start >= LANDING_CHUNK_BYTES or end == b:
-                out.append((start, end, units))
+                out.append((start, end, tuple(units)))
                 start, units = end, []
-    return out
+    return tuple(out)
 
 
 def units_of_layers(layout: GroupLayout, layers: Iterable[int]) -> list[int]:
@@ -267,7 +282,9 @@ def units_in_ranges(layout: GroupLayout, ranges: Iterable[tuple[int, int]]) -> l
     ranges come in increasing order without overlapping: each unit is named at most once, so what
     ranges expand to is bounded by the page (a peer's request cannot multiply it)."""
     bounds = unit_ranges(layout)
-    starts = {start: u for u, (start, _) in enumerate(bounds)}
+    if isinstance(ranges, (list, tuple)) and len(ranges) == 1 and tuple(ranges[0]) == (0, layout.payload_bytes):
+        return list(range(len(bounds)))  # (the whole page: the common case)
+    starts = layout.unit_starts
     out: list[int] = []
     prev_end = 0
     for start, end in ranges:

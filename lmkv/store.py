@@ -33,7 +33,7 @@ from lmkv.config import LMKVConfig
 from lmkv.errors import LMKVError, PartlyStoredError, TierFullError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
-from lmkv.lookup import Lookup, locate, prefix_lookup, tier_failed
+from lmkv.lookup import Lookup, PrefixMemo, find_prefix, locate, prefix_lookup, tier_failed
 from lmkv.metrics import Metrics
 from lmkv.page import PageHeader, copy_units, make_header
 from lmkv.retries import RetryQueue, WriteStats
@@ -152,6 +152,13 @@ class TieredStore:
         """As :meth:`lookup`, asking only the tiers in this process (what a lookup answers while a
         network tier is presumed stalled)."""
         return prefix_lookup(keys, self.local_tiers)
+
+    def find_prefix(self, keys_of: Callable[[int, int], Sequence[PageKey]], start: int, end: int,
+                    memo: PrefixMemo | None = None, local: bool = False) -> tuple[Lookup, PrefixMemo]:
+        """:func:`lmkv.lookup.find_prefix` over these tiers (``local``: only those in this process):
+        the lookup an engine's scheduler repeats every step a request waits."""
+        with self.metrics.timed("lookup"):
+            return find_prefix(keys_of, start, end, self.local_tiers if local else self.tiers, memo)
 
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         """Per key, whether any tier holds it (not prefix-ordered)."""

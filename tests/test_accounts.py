@@ -35,7 +35,9 @@ def _memory(pages, layout, limits):
 
 def _disk(path, pages, layout, limits):
     cfg = DiskConfig(path=str(path), capacity=pages * disk_page_bytes(layout), io="buffered")
-    return DiskTier(cfg, accounts=Accounts(limits, account_of))
+    tier = DiskTier(cfg, accounts=Accounts(limits, account_of))
+    assert tier.wait_indexed(30)  # (a restarted tier's index is rebuilt in the background)
+    return tier
 
 
 def _fill(tier, layout, domain, n, seed):

@@ -20,6 +20,13 @@ def _tier(path, io="auto", **kw) -> DiskTier:
     return DiskTier(DiskConfig(path=str(path), io=io, **kw))
 
 
+def _reopened(path, io="auto", **kw) -> DiskTier:
+    """The tier opened again over its files, once its index is rebuilt (in the background)."""
+    t = _tier(path, io, **kw)
+    assert t.wait_indexed(30)
+    return t
+
+
 def _page(layout, seed=0):
     p = random_payload(layout, seed)
     k = random_key()
@@ -68,7 +75,7 @@ def test_restart_rebuilds_index_and_owners(tmp_path, layout):
     t.put([(h, p) for _, h, p in pages], "worker0")
     t.put([(pages[0][1], pages[0][2])], "owner")
     (tmp_path / "tmp" / "leftover.partial").write_bytes(b"x" * 100)
-    again = _tier(tmp_path)
+    again = _reopened(tmp_path)
     assert len(again) == 3 and again.used_bytes == t.used_bytes
     assert sorted(again.owners(pages[0][0])) == ["owner", "worker0"]
     assert not list((tmp_path / "tmp").iterdir())
@@ -85,7 +92,7 @@ def test_clear_is_scoped_to_a_domain(tmp_path, layout):
     assert t.clear("worker0") == 1
     assert t.contains([shared[0], own[0]]) == [True, False]
     assert not _files(t, own[0]) and len(_files(t, shared[0])) == 1
-    assert _tier(tmp_path).owners(shared[0]) == ["owner"]
+    assert _reopened(tmp_path).owners(shared[0]) == ["owner"]
 
 
 def test_capacity_evicts_lru(tmp_path, layout):
@@ -141,7 +148,7 @@ def test_malformed_files_are_removed_at_restart(tmp_path, layout):
     with open(f, "r+b") as fh:
         fh.truncate(5000)  # not a whole number of blocks: cannot be a page
     (f.parent / "not-a-key.page").write_bytes(b"junk")
-    again = _tier(tmp_path)
+    again = _reopened(tmp_path)
     assert len(again) == 0 and not f.exists()
 
 
@@ -161,7 +168,7 @@ def test_disk_full_is_a_clean_per_page_failure(tiny_fs, layout):
     t.delete([k for k, _, _ in pages[:3]])
     k, h, p = _page(layout, 99)
     assert t.put([(h, p)], "w0") == [True]
-    assert len(_tier(tiny_fs)) == len(t)
+    assert len(_reopened(tiny_fs)) == len(t)
 
 
 def test_session_commits_all_or_nothing_visible(tmp_path, layout):

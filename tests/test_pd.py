@@ -156,8 +156,8 @@ def test_a_waiting_consumer_asks_with_backoff_and_paces_an_idle_engine_only(mode
     with _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.5}}) as (p, d):
         sched = d.sched.connector.scheduler
         asked = []
-        lookup = sched.store.lookup
-        sched.store.lookup = lambda keys: (asked.append(1), lookup(keys))[1]
+        find = sched.store.find_prefix
+        sched.store.find_prefix = lambda *a, **kw: (asked.append(1), find(*a, **kw))[1]
         b = d.request("b", tokens(PROMPT, 16), max_tokens=2, kv_transfer_params={"lmkv": {"pages": PAGES}})
         d.sched.add_request(b)
         steps, t0 = 0, time.monotonic()

@@ -246,15 +246,20 @@ def test_hello_has_a_deadline_however_slowly_it_trickles(tmp_path):
         assert time.monotonic() - t0 < 4
 
 
-def test_connections_per_peer_are_capped(tmp_path):
+def test_connections_per_peer_are_capped_until_they_authenticate(tmp_path):
+    """One address holds at most ``max_per_peer`` connections that have not said HELLO; an
+    authenticated one counts against its tenant instead (tenants on one host share its address)."""
     with _serve(tmp_path, max_per_peer=4) as s:
         mine = [_tcp(s) for _ in range(4)]
-        for c in mine:
-            _hello(c)
         with _tcp(s) as fifth:
             status, meta, _ = read_frame(fifth, 1 << 20)
             assert status == 1 and b"too many connections from 127.0.0.1" in meta
         for c in mine:
+            _hello(c)
+        more = [_tcp(s) for _ in range(4)]
+        for c in more:
+            _hello(c)
+        for c in mine + more:
             c.close()
 
 

@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 
 import msgspec
 import numpy as np
@@ -246,3 +247,38 @@ def test_the_server_guides_multi_tenant_example_is_a_valid_configuration(tmp_pat
     assert tenants.authenticate(A_TOKEN).grants("search/user-1")
     assert not tenants.authenticate(B_TOKEN).grants("search")
     assert tenants.authenticate(ADMIN_TOKEN).admin
+
+
+def _held(port: int, token: str, namespace: str) -> tuple[socket.socket, int, bytes]:
+    """A connection that said HELLO and stays open: its status and reply."""
+    c = socket.create_connection(("127.0.0.1", port), timeout=10)
+    c.sendall(frame(Op.HELLO, msgspec.msgpack.encode({"version": 1, "namespace": namespace, "token": token})))
+    status, meta, _ = read_frame(c, 1 << 20)
+    return c, status, meta
+
+
+def test_one_tenant_cannot_take_every_connection(tmp_path):
+    """Each tenant holds at most its share of ``max_connections`` (or its ``quota.connections``): a
+    tenant at its cap is refused with the reason while another tenant still connects, from the same
+    address (authenticated connections count against their tenant, not the shared 127.0.0.1)."""
+    tenants = _tenants(connections=3)
+    tenants.append({"name": "team-c", "token": "team-c-token-0123456789", "namespaces": ["team-c"]})
+    with _serve(tmp_path, tenants=tenants, max_connections=8, max_per_peer=4) as s:
+        a = [_held(s.port, A_TOKEN, "team-a") for _ in range(3)]
+        assert [status for _, status, _ in a] == [0, 0, 0]
+        c, status, meta = _held(s.port, A_TOKEN, "team-a")
+        assert status == 1 and b"its quota" in meta
+        c.close()
+        b = [_held(s.port, B_TOKEN, "team-b") for _ in range(3)]  # 8 // 3 tenants = 2 each by default
+        assert [status for _, status, _ in b] == [0, 0, 1]
+        assert _hello(s.port, "team-c-token-0123456789", "team-c")[0] == 0  # 6 from 127.0.0.1, max_per_peer 4
+        a[0][0].close()
+        for _ in range(50):  # (the server sees the close)
+            c, status, _ = _held(s.port, A_TOKEN, "team-a")
+            c.close()
+            if status == 0:
+                break
+            time.sleep(0.05)
+        assert status == 0
+        for c, _, _ in a[1:] + b:
+            c.close()

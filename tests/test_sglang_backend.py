@@ -276,7 +276,7 @@ def test_two_ranks_share_one_disk_tier(tmp_path, mla):
     from lmkv.tiers.disk import DiskTier
 
     disk = DiskTier(DiskConfig(path=str(tmp_path / "disk")))
-    assert len(disk) == (3 if mla else 6)  # replicated: written once; sharded: once per rank
+    assert disk.wait_indexed(30) and len(disk) == (3 if mla else 6)  # replicated: written once; sharded: once per rank
     disk.close()
     for r, h in enumerate(hosts):  # fresh engines: each rank restores its own bytes from the shared tier
         zero(h)

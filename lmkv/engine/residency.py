@@ -14,11 +14,12 @@ other failed load.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lmkv.keys import PageKey
-from lmkv.lookup import Lookup, locate, prefix_lookup
+from lmkv.lookup import Lookup, PrefixMemo, find_prefix, locate, prefix_lookup
+from lmkv.tiers.changes import ChangeNotes
 
 
 @dataclass
@@ -69,6 +70,13 @@ class _MirroredMemory:
 
     def __init__(self) -> None:
         self.keys: set[PageKey] = set()
+        self.notes = ChangeNotes()
+
+    def apply(self, delta: ResidencyDelta) -> None:
+        self.keys.difference_update(delta.removed)
+        self.keys.update(delta.added)
+        self.notes.lost_many(delta.removed)
+        self.notes.gained(len(delta.added))
 
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         return [k in self.keys for k in keys]
@@ -82,8 +90,7 @@ class ResidencyMirror:
         self.tiers = [self._memory, *lower]
 
     def apply(self, delta: ResidencyDelta) -> None:
-        self._memory.keys.difference_update(delta.removed)
-        self._memory.keys.update(delta.added)
+        self._memory.apply(delta)
 
     def __len__(self) -> int:
         return len(self._memory.keys)
@@ -104,3 +111,8 @@ class ResidencyMirror:
 
     def lookup_local(self, keys: Sequence[PageKey]) -> Lookup:
         return prefix_lookup(keys, self._local)
+
+    def find_prefix(self, keys_of: Callable[[int, int], Sequence[PageKey]], start: int, end: int,
+                    memo: PrefixMemo | None = None, local: bool = False) -> tuple[Lookup, PrefixMemo]:
+        """:func:`lmkv.lookup.find_prefix` over these tiers (``local``: without the network)."""
+        return find_prefix(keys_of, start, end, self._local if local else self.tiers, memo)

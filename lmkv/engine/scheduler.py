@@ -46,7 +46,7 @@ from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.sequence import SequenceKeys, Span
 from lmkv.keys import ChainHash, EngineBlockKey, KeySpace, PageKey, page_key
 from lmkv.layout import GroupLayout, Growth
-from lmkv.lookup import Lookup
+from lmkv.lookup import Lookup, PrefixMemo
 from lmkv.offload.lazy import FreeQueue, LazyOffload, Pick
 from lmkv.tiers.link import COPY_OUT
 
@@ -94,6 +94,7 @@ class RequestState:
     pulled: int = 0  # while it waits: pages (from ``local_pages``) already asked to be pulled into memory
     pending_pulls: list[PageOp] = field(default_factory=list)  # pulls for the next step's plan
     noted: bool = False  # lazy offload: this request's use of its prefix has been counted
+    memos: dict[int, PrefixMemo] = field(default_factory=dict)  # per group: what its last lookup found
 
 
 @dataclass
@@ -130,6 +131,11 @@ class Residency(Protocol):
 
     def lookup_local(self, keys: Sequence[PageKey]) -> Lookup:
         """As ``lookup``, without a network round trip."""
+        ...
+
+    def find_prefix(self, keys_of: Callable[[int, int], Sequence[PageKey]], start: int, end: int,
+                    memo: PrefixMemo | None = None, local: bool = False) -> tuple[Lookup, PrefixMemo]:
+        """:func:`lmkv.lookup.find_prefix` over its tiers (``local``: without a network round trip)."""
         ...
 
     def contains(self, keys: Sequence[PageKey]) -> list[bool]: ...
@@ -247,16 +253,14 @@ class OffloadScheduler:
             return 0
         if st.expect_pages and time.monotonic() < min(st.next_poll, st.wait_until):
             return None  # (waiting for announced pages: not asking again yet)
-        st.seq.extend(tokens[: max_pages * self.tpp])
-        end = self._unquarantined(st.seq.chains, local, max_pages)
-        keys = [st.seq.keys(layout, local, end) for layout in self.groups]
+        end = max_pages
         found: tuple[int, dict[str, int]] | Verdict
         if self._lookups is None:
-            found = self._find(keys)
+            found = self._find(st, tokens, local, end)
         else:
             patient = bool(st.expect_pages)  # (pages were promised: worth waiting for the network)
-            found = self._lookups.result(st.req_id, (local, end), lambda: self._find(keys),
-                                         None if patient else lambda: self._find_local(keys))
+            found = self._lookups.result(st.req_id, (local, end), lambda: self._find(st, tokens, local, end),
+                                         None if patient else lambda: self._find_local(st, tokens, local, end))
             if found is NOT_YET:
                 if not (st.expect_pages and time.monotonic() >= st.wait_until):
                     return None
@@ -264,7 +268,7 @@ class OffloadScheduler:
                 self.stats.lookups_timed_out += 1
                 # the pages pulled into this engine as they landed are loaded (never from the tier
                 # that did not answer: the load would wait for it as long)
-                found = self._find_local(keys)
+                found = self._find_local(st, tokens, local, end)
         hit, below = (0, {}) if isinstance(found, Verdict) else found
         if isinstance(found, Verdict):  # TIMED_OUT: a miss
             self.stats.lookups_timed_out += 1
@@ -311,33 +315,50 @@ class OffloadScheduler:
                 st.pending_pulls.append(PageOp(st.req_id, g, list(chains), [], list(range(start, local + hit))))
         st.pulled = local + hit
 
-    def _find(self, keys: list[list[PageKey]], local: bool = False) -> tuple[int, dict[str, int]]:
-        """How many of these pages (each group's keys) lmkv can restore, and the hit's bytes per tier
-        below memory; ``local``: asking only the tiers in this process. (Off the scheduler's thread
+    def _find(self, st: RequestState, tokens: Sequence[int], start: int, end: int,
+              local: bool = False) -> tuple[int, dict[str, int]]:
+        """How many of pages ``[start, end)`` of the request lmkv can restore, and the hit's bytes per
+        tier below memory; ``local``: asking only the tiers in this process. Each group's lookup
+        starts from the request's last one (:func:`lmkv.lookup.find_prefix`: a step asks the tiers
+        only what changed) and hashes only as far as the prefix goes. (Off the scheduler's thread
         when a network tier is asked.)"""
-        hit = len(keys[0]) if keys else 0
+        hit = end - start
         below: dict[str, int] = {}  # bytes of the hit per tier below memory
-        for layout, group_keys in zip(self.groups, keys):
+        for g, layout in enumerate(self.groups):
             if hit == 0:
                 break
             if layout.growth is Growth.PER_SEQUENCE:
                 continue  # state groups: after the pages, below
-            found = (self.store.lookup_local if local else self.store.lookup)(group_keys[:hit])
+            keys_of = self._keys_of(st, tokens, layout)
+            found, memo = self.store.find_prefix(keys_of, start, start + hit, None if local else st.memos.get(g),
+                                                 local)
+            if not local:
+                st.memos[g] = memo
             hit = min(hit, found.pages)
             for tier in found.tiers[:hit]:
                 if tier != "memory":
                     below[tier] = below.get(tier, 0) + layout.payload_bytes
-        for layout, group_keys in zip(self.groups, keys):
+        hit = self._unquarantined(st.seq.chains, start, start + hit) - start
+        for layout in self.groups:
             if hit and layout.growth is Growth.PER_SEQUENCE:
                 # one state per stored boundary: the hit ends at the last boundary whose state is held
-                present = (self.store.contains_local if local else self.store.contains)(group_keys[:hit])
+                keys = self._keys_of(st, tokens, layout)(start, start + hit)
+                present = (self.store.contains_local if local else self.store.contains)(keys)
                 hit = max((i + 1 for i, p in enumerate(present) if p), default=0)
         return hit, below
 
-    def _find_local(self, keys: list[list[PageKey]]) -> tuple[int, dict[str, int]]:
+    @staticmethod
+    def _keys_of(st: RequestState, tokens: Sequence[int], layout: GroupLayout) -> Callable[[int, int], list[PageKey]]:
+        """The keys of a request's pages ``[a, b)`` in one group, its tokens hashed that far first."""
+        def keys_of(a: int, b: int) -> list[PageKey]:
+            st.seq.extend(tokens, b)
+            return st.seq.keys(layout, a, b)
+        return keys_of
+
+    def _find_local(self, st: RequestState, tokens: Sequence[int], start: int, end: int) -> tuple[int, dict[str, int]]:
         """:meth:`_find` while the network is presumed stalled."""
         self.stats.lookups_local_only += 1
-        return self._find(keys, local=True)
+        return self._find(st, tokens, start, end, local=True)
 
     def loads_async(self, below: dict[str, int]) -> bool:
         """Whether a hit with ``below`` bytes on each tier under memory waits for its load instead of
@@ -458,7 +479,7 @@ class OffloadScheduler:
             st.computed = s.computed_after_step
             if full > st.seen:
                 st.seen = full
-                st.seq.extend(s.tokens[: full * self.tpp])
+                st.seq.extend(s.tokens, full)
                 lazy = self.lazy_active
                 if lazy:
                     self._remember(st, s.block_hashes, full)

@@ -1,12 +1,17 @@
 """Who gets a connection to ``lmkv serve``, and how fast a wrong token can be retried.
 
-Three bounds, each a count the server holds while a connection lives:
+Four bounds, each a count the server holds while a connection lives:
 
-- per peer (a TCP address, or a uid on the Unix socket): ``server.max_per_peer``;
+- per peer (a TCP address, or a uid on the Unix socket), until it authenticates:
+  ``server.max_per_peer``; an authenticated connection counts against its tenant instead, so
+  tenants whose clients share an address (every local client is 127.0.0.1) never crowd each
+  other out through it;
 - connections that have not authenticated yet: ``server.max_unauthenticated``, a small cap
   of its own, so clients that connect and never say HELLO (or say it one byte at a time)
   cannot take the slots authenticated clients use; each has ``server.hello_timeout`` seconds
   in all to authenticate, however slowly its bytes trickle in;
+- per tenant: ``quota.connections`` (by default an equal share of ``server.max_connections``),
+  so one tenant's clients cannot take every slot and lock the others out;
 - authenticated connections: ``server.max_connections``, taken only once HELLO succeeded.
 
 A failed authentication is logged (once a minute per peer, with the count) and answered only
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +33,17 @@ FAIL_DELAY_MAX_S = 4.0
 FAIL_MEMORY_S = 300.0
 
 
-class PeerCounts:
-    """Connections per peer, capped."""
+class Counts:
+    """Connections per peer (or per tenant), each capped by ``limit(who)``."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: Callable[[str], int]) -> None:
         self.limit = limit
         self._lock = threading.Lock()
         self._n: dict[str, int] = {}
 
     def enter(self, peer: str) -> bool:
         with self._lock:
-            if self._n.get(peer, 0) >= self.limit:
+            if self._n.get(peer, 0) >= self.limit(peer):
                 return False
             self._n[peer] = self._n.get(peer, 0) + 1
             return True

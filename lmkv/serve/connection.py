@@ -59,6 +59,7 @@ from lmkv.wire.protocol import (
     frame,
     read_frame,
     recv_exact,
+    send_buffers,
 )
 
 log = logging.getLogger(__name__)
@@ -377,10 +378,8 @@ class Client:
                 return
             if len(found) * per_page > max_bulk:
                 raise Refused(f"reply of {len(found) * per_page} bytes exceeds max_bulk {max_bulk}")
-            self.reply(GetReply(headers), len(found) * per_page)
-            for _, v in found:
-                for a, b in ranges:
-                    self.sock.sendall(memoryview(v[a:b]))
+            send_buffers(self.sock, [frame(0, encode(GetReply(headers)), len(found) * per_page),
+                                     *(v[a:b] for _, v in found for a, b in ranges)])
 
     def sources(self, req, headers: list[PageHeader]) -> tuple[np.ndarray, list[int]] | None:
         """Where a PUT's payloads are in shared memory, bounds-checked; None: in the bulk."""

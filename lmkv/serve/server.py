@@ -26,7 +26,7 @@ from collections import OrderedDict
 from lmkv.config import ConfigError, LMKVConfig
 from lmkv.errors import LMKVError
 from lmkv.metrics import serve_metrics
-from lmkv.serve.admission import AuthFailures, PeerCounts
+from lmkv.serve.admission import AuthFailures, Counts
 from lmkv.serve.connection import Client, Fatal
 from lmkv.serve.tenants import Counters, Tenant, Tenants
 from lmkv.store import TieredStore
@@ -67,6 +67,8 @@ class Server:
                         "every counter", sc.metrics_host)
         if bool(sc.tls_cert) != bool(sc.tls_key):
             raise ConfigError("server.tls_cert and server.tls_key go together")
+        if cfg.memory.pin == "auto":  # (its arena never meets a GPU; asking whether one is there imports torch)
+            cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"pin": "never"})})
         self.cfg = cfg
         self.store = TieredStore(cfg, accounts={tier: self.tenants.accounts(tier) for tier in ("memory", "disk")})
         self.counters = {t.name: Counters() for t in self.tenants.tenants}
@@ -74,7 +76,12 @@ class Server:
         self._slots = threading.BoundedSemaphore(sc.max_connections)
         # connections not authenticated yet, oldest first (id of the raw socket -> it, its peer)
         self._pending: OrderedDict[int, tuple[socket.socket, str]] = OrderedDict()
-        self._peers = PeerCounts(sc.max_per_peer)
+        self._peers = Counts(lambda _: sc.max_per_peer)
+        holders = [t for t in self.tenants.tenants if t.holds_pages]
+        share = max(1, sc.max_connections // max(1, len(holders)))
+        caps = {t.name: t.quota.connections or (share if t.holds_pages else sc.max_connections)
+                for t in self.tenants.tenants}
+        self._tenant_conns = Counts(caps.__getitem__)
         self.auth_failures = AuthFailures()
         self._clients: set[Client] = set()
         self._lock = threading.Lock()
@@ -135,10 +142,10 @@ class Server:
         if not self._peers.enter(origin):
             self._refuse(conn, peer, f"too many connections from {origin}")
             return
+        holder: list[Client] = []
         try:
             raw = conn
             self._await_hello(raw, peer)
-            holder: list[Client] = []
             timer = threading.Timer(sc.hello_timeout, self._expire, (raw, holder, peer))
             timer.daemon = True
             timer.start()
@@ -169,10 +176,13 @@ class Server:
                 timer.cancel()
                 if holder and holder[0].authenticated:
                     self._slots.release()
+                    assert holder[0].tenant is not None
+                    self._tenant_conns.leave(holder[0].tenant.name)
                 else:
                     self._drop_pending_key(id(raw))
         finally:
-            self._peers.leave(origin)
+            if not (holder and holder[0].authenticated):  # (an authenticated one left its peer's count)
+                self._peers.leave(origin)
 
     def stats(self, tenant: Tenant | None) -> dict[str, dict[str, int]]:
         """STATS: a tenant sees its own pages, quota and counters; ``None`` (admin) the whole server
@@ -198,11 +208,21 @@ class Server:
         return out
 
     def admit(self, client: Client) -> None:
-        """HELLO succeeded: the connection trades its unauthenticated slot for a client slot."""
+        """HELLO succeeded: the connection trades its unauthenticated slot and its place in its peer's
+        count for a place in its tenant's count and a client slot."""
+        tenant = client.tenant
+        assert tenant is not None
+        if not self._tenant_conns.enter(tenant.name):
+            log.warning("lmkv serve: refusing %s: tenant %r has %d connections, its quota", client.peer,
+                        tenant.name, self._tenant_conns.limit(tenant.name))
+            raise Fatal(f"tenant {tenant.name!r} has {self._tenant_conns.limit(tenant.name)} connections open, "
+                        "its quota (quota.connections)")
         if not self._slots.acquire(blocking=False):
+            self._tenant_conns.leave(tenant.name)
             log.warning("lmkv serve: refusing %s: %d clients connected", client.peer, self.cfg.server.max_connections)
             raise Fatal("server full: too many connections")
         client.authenticated = True
+        self._peers.leave(client.origin)
         self._drop_pending_key(client.pending_key)
         client.sock.settimeout(self.cfg.server.idle_timeout)
 

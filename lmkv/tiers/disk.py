@@ -2,8 +2,11 @@
 
 A page is written to ``tmp/``, flushed (``fsync``), and only then linked into place, so a
 reader never sees a half-written page and a writer killed mid-page leaves only a temp file.
-The index is rebuilt from the file names on start-up; a file that was torn or flipped
-afterwards is caught by its checksum when read, and deleted. Ownership is one hard link per
+The index is rebuilt from the file names on start-up, in the background: the tier serves at
+once, and until the scan ends a key the index lacks is looked for on disk. Processes sharing the
+directory (two engines, an engine's scheduler) learn of each other's pages from the directory's
+change logs (:mod:`lmkv.tiers.disk_log`), never by a ``stat`` per key. A file that was torn or
+flipped afterwards is caught by its checksum when read, and deleted. Ownership is one hard link per
 residency domain: clearing a domain unlinks its links, and the bytes go when the last owner
 does. A full file system is a clean per-page failure: the temp file is removed and nothing
 half-written remains.
@@ -16,6 +19,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -37,6 +41,8 @@ from lmkv.page import (
 from lmkv.tiers import gds
 from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import LocalTier, Range, ReadsInPlace, WriteSession
+from lmkv.tiers.changes import ChangeNotes
+from lmkv.tiers.disk_log import Change, LogReader, LogWriter, Op, remove_dead_logs
 from lmkv.tiers.eviction import EvictionPolicy, make_policy
 from lmkv.tiers.gds import DeviceBuffer
 from lmkv.tiers.page_files import WOULD_BLOCK, Blocked, PageFiles, domains_in, page_path, remove_dead_writers, scan
@@ -60,8 +66,9 @@ class DiskTier(LocalTier, ReadsInPlace):
     """Pages as files under ``disk.path``, indexed in memory, charged to accounts, evicted by policy.
 
     Thread-safe: the index is under one lock, file I/O runs outside it (on the caller's thread or
-    the tier's I/O threads). Opened by rebuilding the index from the files there; other processes
-    sharing the directory may add pages, found when looked up. :meth:`close` ends its I/O threads.
+    the tier's I/O threads). Opened at once, its index rebuilt from the files there in the
+    background (:meth:`wait_indexed`); other processes sharing the directory add and remove pages,
+    found by the next lookup through their change logs. :meth:`close` ends its threads.
     """
 
     def __init__(self, cfg: DiskConfig, name: str = "disk", accounts: Accounts | None = None) -> None:
@@ -81,6 +88,12 @@ class DiskTier(LocalTier, ReadsInPlace):
             raise ValueError(f"disk.io = 'direct': the file system under {self.root} refuses O_DIRECT")
         self._lock = threading.Lock()
         self._index: dict[PageKey, _Entry] = {}
+        log_dir = self.root / "log"
+        self._log = LogWriter(log_dir)
+        self._others = LogReader(log_dir, own=self._log.name)
+        self._following = threading.Lock()
+        #: what it gained and lost, for lookups repeated every step (:mod:`lmkv.tiers.changes`)
+        self.notes = ChangeNotes(refresh=self._follow)
         self._accounts = accounts or Accounts()
         self._domains = DomainRegistry(self._accounts.account_of, on_forget=self._remove_domain_dir)
         self._policies: dict[str, EvictionPolicy] = {}  # account -> its pages' eviction order
@@ -88,7 +101,11 @@ class DiskTier(LocalTier, ReadsInPlace):
         self._reserved = 0
         self._files = PageFiles(cfg, self._tmp, self.direct, engine)
         self._io = threads.pool(cfg.io_threads, "lmkv-disk")
-        self._rebuild()
+        remove_dead_writers(self._tmp)  # (before this process writes any)
+        self._others.skip_to_end()  # (what the logs said so far, the scan finds)
+        self._indexed = threading.Event()
+        self._closing = False
+        threading.Thread(target=self._rebuild, name="lmkv-disk-index", daemon=True).start()
 
     @property
     def gds(self):
@@ -106,12 +123,58 @@ class DiskTier(LocalTier, ReadsInPlace):
         return page_path(self._data, key, domain)
 
     def _rebuild(self) -> None:
-        """Index the files that are there; remove temp files of writers that died."""
-        remove_dead_writers(self._tmp)
-        for _, key, domain, size in sorted(scan(self._data, log)):
-            self._index_file(key, domain, size)
-        if self._index:
-            log.info("disk tier %s: %d pages, %d bytes indexed", self.root, len(self._index), self._used)
+        """Index the files that are there, oldest first (the eviction order), then remove the change
+        logs of writers that are gone. (On a thread of its own: the tier serves meanwhile.)"""
+        t0 = time.monotonic()
+        try:
+            found = sorted(scan(self._data, log, stop=lambda: self._closing))
+            for i in range(0, len(found), 4096):
+                with self._lock:
+                    for _, key, domain, size in found[i : i + 4096]:
+                        self._index_file(key, domain, size)
+            remove_dead_logs(self._log.dir)
+        except OSError as err:
+            log.warning("disk tier %s: indexing the files failed (%s); pages not indexed are looked for "
+                        "on disk", self.root, err)
+            return
+        finally:
+            self._indexed.set()
+        if found:
+            log.info("disk tier %s: %d pages, %d bytes indexed in %.1f s", self.root, len(found), self._used,
+                     time.monotonic() - t0)
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Wait until the files there at opening are indexed; whether they are."""
+        return self._indexed.wait(timeout)
+
+    def _follow(self) -> None:
+        """Apply what other processes sharing the directory logged since the last call (one thread
+        at a time; another thread's call finds it done)."""
+        if not self._following.acquire(blocking=False):
+            return
+        try:
+            for ch in self._others.follow():
+                with self._lock:
+                    if ch.op is Op.LINKED:
+                        self._index_file(ch.key, ch.domain, ch.file_bytes)
+                    else:
+                        self._unindex_link(ch.key, ch.domain)
+        finally:
+            self._following.release()
+
+    def _unindex_link(self, key: PageKey, domain: str) -> None:
+        """Under the lock: another process unlinked a page's file for one domain; a page with no
+        owner left leaves the index (its files are gone already)."""
+        e = self._index.get(key)
+        if e is None or not e.domains & self._domains.mask(domain):
+            return
+        e.domains = self._domains.remove(e.domains, domain)
+        if not e.domains:
+            del self._index[key]
+            self._policy(e.account).remove(key)
+            self._used -= e.file_bytes
+            self._accounts.refund(e.account, e.file_bytes)
+            self.notes.lost(key)
 
     def _index_file(self, key: PageKey, domain: str, size: int) -> None:
         """Under the lock (or alone, at start-up): a page file found on disk joins the index, charged
@@ -121,9 +184,19 @@ class DiskTier(LocalTier, ReadsInPlace):
             account = self._accounts.account_of(domain)
             e = self._index[key] = _Entry(size, 0, account)
             self._policy(account).insert(key)
+            self.notes.gained()
             self._used += size
             self._accounts.charge(account, size)
         e.domains = self._domains.add(e.domains, domain)
+
+    def _add(self, key: PageKey, domain: str, size: int, account: str) -> None:
+        """Under the lock: a page file this process linked into place joins the index (its room is
+        charged already) and the directory's log."""
+        self._index[key] = _Entry(size, self._domains.add(0, domain), account)
+        self._policy(account).insert(key)
+        self._used += size
+        self.notes.gained()
+        self._log.write(Change(Op.LINKED, key, domain, size))
 
     def _policy(self, account: str) -> EvictionPolicy:
         p = self._policies.get(account)
@@ -153,7 +226,12 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     def _unlink_all(self, key: PageKey, domains: int) -> None:
         for domain in self._domains.names(domains):
-            unlink(self._path(key, domain))
+            self._unlink(key, domain)
+
+    def _unlink(self, key: PageKey, domain: str) -> None:
+        """Unlink one owner's file of a page, and log it for the processes sharing the directory."""
+        unlink(self._path(key, domain))
+        self._log.write(Change(Op.UNLINKED, key, domain, 0))
 
     def _forget(self, key: PageKey, evicted: bool = False) -> _Entry | None:
         """Under the lock: drop a page from the index and unlink its files (``evicted``: the
@@ -166,6 +244,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             self._domains.release(e.domains)
             self._used -= e.file_bytes
             self._accounts.refund(e.account, e.file_bytes)
+            self.notes.lost(key)
         return e
 
     def _discard(self, key: PageKey, why: str) -> None:
@@ -216,10 +295,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         only ``ranges`` of it; ``nowait`` (a whole buffered page): :data:`WOULD_BLOCK` unless the OS
         page cache holds all of it, so that cached pages are read without a thread hand-off. A page
         that fails its checks is dropped; any failure is a miss (``None``)."""
-        with self._lock:
-            e = self._index.get(key)
-            if e is not None:
-                self._policy(e.account).touch(key)
+        e = self._entry(key)
         if e is None:
             self.stats.misses += 1
             return None
@@ -291,9 +367,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             log.warning("disk tier: publishing %s failed: %s", key_hex(key), err)
             return False
         self._settle(size, account, resident=True)
-        self._index[key] = _Entry(size, self._domains.add(0, domain), account)
-        self._policy(account).insert(key)
-        self._used += size
+        self._add(key, domain, size, account)
         self.stats.puts += 1
         self.stats.put_bytes += header.payload_len
         return True
@@ -311,6 +385,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             log.warning("disk tier: linking %s for %s failed: %s", key_hex(key), domain, err)
             return
         e.domains = self._domains.add(e.domains, domain)
+        self._log.write(Change(Op.LINKED, key, domain, e.file_bytes))
 
     def _store(self, header: PageHeader, payload, domain: str, account: str) -> bool:
         """Write a page whose room is reserved, then publish it."""
@@ -337,17 +412,36 @@ class DiskTier(LocalTier, ReadsInPlace):
         return int(self.cfg.capacity)
 
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
+        """From the index, brought up to date with the other processes' logs; while the files there
+        at opening are still being indexed, a key the index lacks is looked for on disk."""
+        self._follow()
         with self._lock:
             found = [k in self._index for k in keys]
-        if not all(found):  # another process sharing the directory may have written them
+        if not all(found) and not self._indexed.is_set():
             domains = domains_in(self._data)
             for i, k in enumerate(keys):
                 if not found[i]:
                     found[i] = self._adopt(k, domains)
         return found
 
+    def _entry(self, key: PageKey) -> _Entry | None:
+        """A page's entry for a read (its use noted for eviction): from the index, brought up to date
+        with the other processes' logs where it lacks the key, or (while the index is rebuilt) from
+        the files."""
+        for attempt in range(3):
+            with self._lock:
+                e = self._index.get(key)
+                if e is not None:
+                    self._policy(e.account).touch(key)
+                    return e
+            if attempt == 0:
+                self._follow()
+            elif self._indexed.is_set() or not self._adopt(key, domains_in(self._data)):
+                return None
+        return None
+
     def _adopt(self, key: PageKey, domains: list[str]) -> bool:
-        """Index a page another process wrote into the shared directory since we last looked."""
+        """Index a page found on disk that the index does not hold yet (while it is rebuilt)."""
         for domain in domains:
             path = self._path(key, domain)
             try:
@@ -483,12 +577,16 @@ class DiskTier(LocalTier, ReadsInPlace):
                     self._forget(key)
                     deleted += 1
                     continue
-                unlink(self._path(key, domain))
+                self._unlink(key, domain)
                 e.domains = self._domains.remove(e.domains, domain)
             return deleted
 
     def close(self) -> None:
+        self._closing = True
         self._io.shutdown(wait=True)
+        self._indexed.wait()
+        self._log.close()
+        self._others.close()
 
     def open_session(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str) -> DiskSession:
         return DiskSession(self, keys, layouts, check_domain(domain))

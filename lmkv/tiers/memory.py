@@ -26,6 +26,7 @@ from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.allocator import SlabAllocator
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import LocalTier, Range, ResidencyListener, WriteSession
+from lmkv.tiers.changes import ChangeNotes
 from lmkv.tiers.eviction import EvictionPolicy, make_policy
 from lmkv.tiers.quarantine import Quarantine
 
@@ -96,6 +97,8 @@ class MemoryTier(LocalTier):
         self.on_evict = on_evict
         #: told of every key published or removed (see :mod:`lmkv.engine.residency`)
         self.listener: ResidencyListener | None = None
+        #: what it gained and lost, for lookups repeated every step (:mod:`lmkv.tiers.changes`)
+        self.notes = ChangeNotes()
         self._arena = HostArena(int(cfg.capacity), cfg.pin, cfg.prefault, shared)
         # Each page size (a model's cache groups differ) needs slabs of its own: a small arena is
         # cut into at least MIN_SLABS of them rather than into one slab of slab_size.
@@ -157,6 +160,7 @@ class MemoryTier(LocalTier):
                 owners = self._domains.names(e.domains)
                 self._domains.release(e.domains)
                 self.stats.evictions += 1
+                self.notes.lost(key)
                 if self.listener is not None:
                     self.listener.removed(key)
                 return e, owners
@@ -233,6 +237,7 @@ class MemoryTier(LocalTier):
             return True
         self._index[header.key] = _Entry(offset, header, self._domains.add(0, domain), account)
         self._policy(header.payload_len, account).insert(header.key)
+        self.notes.gained()
         if self.listener is not None:
             self.listener.added(header.key)
         self.stats.puts += 1
@@ -243,6 +248,7 @@ class MemoryTier(LocalTier):
         """Under the lock: forget a page already removed from the index."""
         self._policy(e.header.payload_len, e.account).remove(e.header.key)
         self._domains.release(e.domains)
+        self.notes.lost(e.header.key)
         if self.listener is not None:
             self.listener.removed(e.header.key)
         if e.pins:

@@ -18,9 +18,11 @@ the header against the key and layout asked for and verifies what it read.
 from __future__ import annotations
 
 import enum
+import logging
 import os
+import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from lmkv.config import DiskConfig
@@ -42,9 +44,12 @@ from lmkv.page import (
 )
 from lmkv.tiers import gds
 from lmkv.tiers.base import Range
+from lmkv.tiers.changes import ChangeNotes
+from lmkv.tiers.disk_log import LogReader, Op
 from lmkv.tiers.posix_io import Bounce, aligned, pid_alive, pwritev_all, read_exact
 
 SUFFIX = ".page"
+_log = logging.getLogger("lmkv.tiers.disk")
 
 
 class Blocked(enum.Enum):
@@ -79,43 +84,110 @@ def remove_dead_writers(tmp_dir: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def scan(data_dir: Path, log) -> Iterator[tuple[float, PageKey, str, int]]:
-    """Every page file under ``data_dir``: (mtime, key, domain, size); a malformed one is removed and
-    an unexpected directory skipped, each logged."""
-    for dom_dir in sorted(p for p in data_dir.iterdir() if p.is_dir()):
+def scan(data_dir: Path, log, stop: Callable[[], bool] = lambda: False,
+         remove_malformed: bool = True) -> Iterator[tuple[float, PageKey, str, int]]:
+    """Every page file under ``data_dir``: (mtime, key, domain, size); a malformed one is removed
+    (unless not ``remove_malformed``: a reader that does not own the directory) and an unexpected
+    directory skipped, each logged. Ends early once ``stop()``."""
+    try:
+        tops = sorted(p for p in data_dir.iterdir() if p.is_dir())
+    except OSError:
+        return
+    for dom_dir in tops:
         try:
             check_domain(dom_dir.name)
         except ValueError:
             log.warning("disk tier: ignoring unexpected directory %s", dom_dir)
             continue
-        for sub in dom_dir.iterdir():
-            for f in sub.iterdir() if sub.is_dir() else ():
+        for sub in os.scandir(dom_dir):
+            if stop():
+                return
+            for f in os.scandir(sub.path) if sub.is_dir() else ():
                 try:
                     key = parse_key_hex(f.name.removesuffix(SUFFIX))
                     st = f.stat()
                 except (ValueError, OSError):
                     continue
                 if not f.name.endswith(SUFFIX) or st.st_size < 2 * ALIGN or st.st_size % ALIGN:
-                    log.warning("disk tier: removing malformed page file %s", f)
-                    f.unlink(missing_ok=True)
+                    if remove_malformed:
+                        log.warning("disk tier: removing malformed page file %s", f.path)
+                        Path(f.path).unlink(missing_ok=True)
                     continue
                 yield st.st_mtime, key, dom_dir.name, st.st_size
 
 
 class DiskView:
-    """A disk tier directory seen from a process that does not own it (e.g. an engine's scheduler).
-
-    The files are the truth: a page exists when its file does. Nothing is cached,
-    so pages other processes write or evict are seen at once.
-    """
+    """A disk tier directory seen from a process that does not own it (an engine's scheduler, whose
+    workers own the tier): an index of its pages in memory, built by a scan in the background and
+    kept up to date from the writers' change logs (:mod:`lmkv.tiers.disk_log`), so pages other
+    processes write or evict are seen by the next lookup, and a key it lacks costs no ``stat``
+    (until the scan ends, a key the index lacks is looked for on disk)."""
 
     def __init__(self, path: str | os.PathLike[str], name: str = "disk") -> None:
         self.name = name
         self._data = Path(path) / "d"
+        self._lock = threading.Lock()
+        self._owners: dict[PageKey, int] = {}  # key -> bits of the domains whose file it has
+        self._bits: dict[str, int] = {}
+        self._logs = LogReader(Path(path) / "log")
+        self._logs.skip_to_end()
+        self.notes = ChangeNotes(refresh=self._follow)
+        self._indexed = threading.Event()
+        self._closing = False
+        threading.Thread(target=self._scan, name="lmkv-disk-view", daemon=True).start()
+
+    def _bit(self, domain: str) -> int:
+        bit = self._bits.get(domain)
+        if bit is None:
+            bit = self._bits[domain] = 1 << len(self._bits)
+        return bit
+
+    def _linked(self, key: PageKey, domain: str) -> None:
+        """Under the lock: a domain's file of a page exists."""
+        had = self._owners.get(key, 0)
+        self._owners[key] = had | self._bit(domain)
+        if not had:
+            self.notes.gained()
+
+    def _scan(self) -> None:
+        try:
+            files = [(key, domain) for _, key, domain, _ in scan(self._data, _log, lambda: self._closing, False)]
+            with self._lock:
+                for key, domain in files:
+                    self._linked(key, domain)
+        finally:
+            self._indexed.set()
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        return self._indexed.wait(timeout)
+
+    def _follow(self) -> None:
+        with self._lock:
+            for ch in self._logs.follow():
+                if ch.op is Op.LINKED:
+                    self._linked(ch.key, ch.domain)
+                elif (had := self._owners.get(ch.key)) is not None:
+                    if left := had & ~self._bit(ch.domain):
+                        self._owners[ch.key] = left
+                    else:
+                        del self._owners[ch.key]
+                        self.notes.lost(ch.key)
 
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
-        domains = domains_in(self._data)
-        return [any(os.path.exists(page_path(self._data, k, d)) for d in domains) for k in keys]
+        self._follow()
+        with self._lock:
+            found = [k in self._owners for k in keys]
+        if not all(found) and not self._indexed.is_set():
+            domains = domains_in(self._data)
+            found = [f or any(os.path.exists(page_path(self._data, k, d)) for d in domains)
+                     for f, k in zip(found, keys)]
+        return found
+
+    def close(self) -> None:
+        self._closing = True
+        self._indexed.wait()
+        with self._lock:
+            self._logs.close()
 
 
 class PageFiles:

@@ -37,7 +37,7 @@ from lmkv.config import ConfigError, RemoteConfig
 from lmkv.errors import PageError, TierBusyError, TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
-from lmkv.page import PageHeader, as_bytes_view, landing_chunks, units_in_ranges, unpack_header, verify_units
+from lmkv.page import Chunk, PageHeader, as_bytes_view, landing_chunks, units_in_ranges, unpack_header, verify_units
 from lmkv.tiers import remote
 from lmkv.tiers.base import Range
 from lmkv.tiers.quarantine import Quarantine
@@ -326,7 +326,7 @@ class ServerTier(RemoteTier):
         return out
 
     def _land(self, key: PageKey, raw: bytes, layout: GroupLayout, dst: memoryview,
-              chunks: list[tuple[int, int, list[int]]], src: socket.socket | np.ndarray) -> bytes | Checked:
+              chunks: Sequence[Chunk], src: socket.socket | np.ndarray) -> bytes | Checked:
         """One page's bytes into ``dst`` from the socket or the staging window (``src``, at the page's
         offsets), chunk by chunk (:func:`~lmkv.page.landing_chunks`), each chunk's units verified as
         soon as it lands, still in cache (with 2 cores, a second thread verifying whole pages

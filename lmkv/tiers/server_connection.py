@@ -34,6 +34,7 @@ from lmkv.wire.protocol import (
     encode,
     frame,
     read_frame,
+    send_buffers,
 )
 
 
@@ -113,9 +114,7 @@ class Connection:
         into or out of (a GET's ``dst``, a PUT's ``src``)."""
         self._unanswered.append(list(lent))
         views = [as_bytes_view(b) for b in bulks]
-        self.sock.sendall(frame(op, encode(meta), sum(len(v) for v in views)))
-        for v in views:
-            self.sock.sendall(v)
+        send_buffers(self.sock, [frame(op, encode(meta), sum(len(v) for v in views)), *views])
 
     def reply(self, typ: type):
         """(reply, bulk length left on the socket); an error reply raises RemoteError."""

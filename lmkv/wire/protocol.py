@@ -24,10 +24,13 @@ a closed connection), never a crash.
 from __future__ import annotations
 
 import enum
+import functools
 import ipaddress
 import socket
+import ssl
 import struct
 import time
+from collections.abc import Sequence
 
 import msgspec
 
@@ -106,13 +109,22 @@ class LayoutMsg(msgspec.Struct, array_like=True):
                    lay.sliding_window, lay.growth.value, lay.pp_size, lay.pp_rank)
 
     def layout(self) -> GroupLayout:
-        """The layout, validated and bounded (raises ValueError on anything inconsistent)."""
+        """The layout, validated and bounded (raises ValueError on anything inconsistent); the same
+        object for the same message (a connection's GETs name one layout over and over, and a
+        layout's derived ranges are computed once)."""
         if not 0 < len(self.segments) <= 64 or not 0 < self.num_layers * len(self.segments) <= MAX_UNITS:
             raise ValueError(f"{self.num_layers} layers x {len(self.segments)} segments is out of bounds")
-        return GroupLayout(self.name, StateKind(self.kind), self.num_layers,
-                           tuple(Segment(n, b) for n, b in self.segments), self.tokens_per_page, self.dtype,
-                           self.tp_size, self.tp_rank, self.tp_replicas, self.sliding_window, Growth(self.growth),
-                           self.pp_size, self.pp_rank)
+        return _layout(self.name, self.kind, self.num_layers, tuple(tuple(s) for s in self.segments),
+                       self.tokens_per_page, self.dtype, self.tp_size, self.tp_rank, self.tp_replicas,
+                       self.sliding_window, self.growth, self.pp_size, self.pp_rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(name: str, kind: str, num_layers: int, segments: tuple, tokens_per_page: int, dtype: str, tp_size: int,
+            tp_rank: int, tp_replicas: int, sliding_window: int | None, growth: str, pp_size: int,
+            pp_rank: int) -> GroupLayout:
+    return GroupLayout(name, StateKind(kind), num_layers, tuple(Segment(n, b) for n, b in segments), tokens_per_page,
+                       dtype, tp_size, tp_rank, tp_replicas, sliding_window, Growth(growth), pp_size, pp_rank)
 
 
 class Hello(msgspec.Struct):
@@ -253,6 +265,29 @@ def decode_reply(meta: bytes, typ: type):
 
 def frame(op_or_status: int, meta: bytes, bulk_len: int = 0) -> bytes:
     return FRAME.pack(MAGIC, op_or_status, len(meta), bulk_len) + meta
+
+
+#: buffers handed to one ``sendmsg`` at most (the kernel's IOV_MAX is 1024)
+IOV_BATCH = 512
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence) -> None:
+    """Send ``buffers`` in order in as few system calls as the kernel takes them (``sendmsg``: a
+    reply's frame and its pages in one); over TLS one ``sendall`` each."""
+    if isinstance(sock, ssl.SSLSocket):
+        for b in buffers:
+            sock.sendall(b)
+        return
+    views = [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b) for b in buffers]
+    views = [v for v in views if len(v)]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + IOV_BATCH])
+        while i < len(views) and sent >= len(views[i]):
+            sent -= len(views[i])
+            i += 1
+        if sent:
+            views[i] = views[i][sent:]
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
