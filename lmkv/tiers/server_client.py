@@ -244,6 +244,11 @@ class ServerTier(RemoteTier):
         offsets = [shm_window.offset_in(self._arena.buf, b) for b in bufs]
         return None if any(o is None for o in offsets) else offsets  # type: ignore[return-value]
 
+    def _verified_chunk(self, pages: list[tuple[PageKey, bytes | None, object]], layout: GroupLayout,
+                        units: list[int]) -> list:
+        """:meth:`_verified` for each page of one chunk's reply (``None``: not found)."""
+        return [None if raw is None else self._verified(key, raw, layout, out, units) for key, raw, out in pages]
+
     def _verified(self, key: PageKey, raw: bytes, layout: GroupLayout, out, units: list[int]):
         """Parse and verify one page (on the verifier thread, while the next page arrives)."""
         try:
@@ -286,12 +291,14 @@ class ServerTier(RemoteTier):
                 raise
             if bulk:
                 raise ProtocolError(f"unexpected {bulk}-byte bulk in a GET reply")
-            for j, h in enumerate(rep.headers):
-                if h is not None and self.verifies:
-                    results.append(self._verifier.submit(self._verified, keys[i + j], h, layout, outs[i + j], units))
-                else:
-                    results.append(h)
-        return [r.result() if isinstance(r, Future) else r for r in results]
+            pages = [(keys[i + j], h, outs[i + j]) for j, h in enumerate(rep.headers)]
+            if not self.verifies:
+                results.append(list(rep.headers))
+            elif sent > k + 1:  # the server copies the next chunk meanwhile: check this one beside it
+                results.append(self._verifier.submit(self._verified_chunk, pages, layout, units))
+            else:  # (the last chunk: nothing to overlap with, and a hand-off costs more than small pages' check)
+                results.append(self._verified_chunk(pages, layout, units))
+        return [x for r in results for x in (r.result() if isinstance(r, Future) else r)]
 
     def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               ranges: Sequence[Range] | None) -> list:
