@@ -153,12 +153,14 @@ class DiskTier(LocalTier, ReadsInPlace):
         if not self._following.acquire(blocking=False):
             return
         try:
-            for ch in self._others.follow():
+            changes = list(self._others.follow())
+            if changes:
                 with self._lock:
-                    if ch.op is Op.LINKED:
-                        self._index_file(ch.key, ch.domain, ch.file_bytes)
-                    else:
-                        self._unindex_link(ch.key, ch.domain)
+                    for op, key, domain, size in changes:
+                        if op == Op.LINKED:
+                            self._index_file(key, domain, size)
+                        else:
+                            self._unindex_link(key, domain)
         finally:
             self._following.release()
 

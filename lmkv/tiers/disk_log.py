@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import os
 import struct
@@ -27,11 +28,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from lmkv.domains import check_domain
-from lmkv.keys import PageKey, as_page_key
+from lmkv.keys import PageKey
 from lmkv.tiers.posix_io import pid_alive
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,11 @@ class Op(enum.IntEnum):
     UNLINKED = 2
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One page file linked into place or unlinked, for one domain."""
+class Change(NamedTuple):
+    """One page file linked into place or unlinked, for one domain (a tuple: a reader makes one per
+    record, thousands a step when many pages are written)."""
 
-    op: Op
+    op: int  # an Op
     key: PageKey
     domain: str
     file_bytes: int
@@ -68,13 +69,21 @@ def _pack(change: Change) -> bytes:
     return RECORD.pack(change.op, len(dom), change.key, change.file_bytes, dom)
 
 
-def _unpack(raw: bytes) -> Change | None:
-    """A record read back; None for a malformed one (a hostile or broken writer), which is skipped."""
-    op, dlen, key, size, dom = RECORD.unpack(raw)
+@functools.lru_cache(maxsize=4096)
+def _domain(raw: bytes) -> str | None:
+    """A record's domain, checked once per distinct name (a log repeats a few names)."""
     try:
-        return Change(Op(op), as_page_key(key), check_domain(dom[:dlen].decode()), size)
+        return check_domain(raw.decode())
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def _changes(data: bytes) -> Iterator[Change]:
+    """The records in ``data`` (whole records); a malformed one (a hostile or broken writer) is skipped."""
+    for op, dlen, key, size, dom in RECORD.iter_unpack(data):
+        domain = _domain(dom[:dlen])
+        if domain is not None and (op == Op.LINKED or op == Op.UNLINKED):
+            yield Change(op, PageKey(key), domain, size)
 
 
 class LogWriter:
@@ -186,10 +195,7 @@ class LogReader:
             whole = len(data) // RECORD.size * RECORD.size
             if whole < len(data):
                 self._partial[name] = data[whole:]
-            for i in range(0, whole, RECORD.size):
-                change = _unpack(data[i : i + RECORD.size])
-                if change is not None:
-                    yield change
+            yield from _changes(data[:whole])
 
     def close(self) -> None:
         for fd, _ in self._open.values():

@@ -142,19 +142,17 @@ class DiskView:
             bit = self._bits[domain] = 1 << len(self._bits)
         return bit
 
-    def _linked(self, key: PageKey, domain: str) -> None:
-        """Under the lock: a domain's file of a page exists."""
+    def _linked(self, key: PageKey, domain: str) -> bool:
+        """Under the lock: a domain's file of a page exists; whether the page is new here."""
         had = self._owners.get(key, 0)
         self._owners[key] = had | self._bit(domain)
-        if not had:
-            self.notes.gained()
+        return not had
 
     def _scan(self) -> None:
         try:
             files = [(key, domain) for _, key, domain, _ in scan(self._data, _log, lambda: self._closing, False)]
             with self._lock:
-                for key, domain in files:
-                    self._linked(key, domain)
+                self.notes.gained(sum(self._linked(key, domain) for key, domain in files))
         finally:
             self._indexed.set()
 
@@ -163,15 +161,20 @@ class DiskView:
 
     def _follow(self) -> None:
         with self._lock:
-            for ch in self._logs.follow():
-                if ch.op is Op.LINKED:
-                    self._linked(ch.key, ch.domain)
-                elif (had := self._owners.get(ch.key)) is not None:
-                    if left := had & ~self._bit(ch.domain):
-                        self._owners[ch.key] = left
+            gained, lost = 0, []
+            for op, key, domain, _ in self._logs.follow():
+                if op == Op.LINKED:
+                    gained += self._linked(key, domain)
+                elif (had := self._owners.get(key)) is not None:
+                    if left := had & ~self._bit(domain):
+                        self._owners[key] = left
                     else:
-                        del self._owners[ch.key]
-                        self.notes.lost(ch.key)
+                        del self._owners[key]
+                        lost.append(key)
+            if gained:
+                self.notes.gained(gained)
+            if lost:
+                self.notes.lost_many(lost)
 
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         self._follow()
