@@ -158,14 +158,37 @@ class OffloadConfig(_Section):
 #: Redis Cluster
 SERVER_SCHEMES = ("lmkv", "lmkvs")
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
+MOONCAKE_SCHEMES = ("mooncake",)
+
+
+class MooncakeConfig(_Section):
+    """The Mooncake Store client ``remote.url: mooncake://MASTER:PORT`` opens (``pip install
+    'lmkv[mooncake]'``): what it contributes to the store and how it moves bytes."""
+
+    local_hostname: str = Field(
+        "127.0.0.1", description="this client's address as the other clients reach it (they read the objects "
+        "its segment holds from there)")
+    metadata_server: str = Field(
+        "P2PHANDSHAKE", description="Mooncake's metadata service: P2PHANDSHAKE (none: clients exchange it "
+        "directly), or http://host:port/metadata of the master's HTTP metadata server, or etcd://...")
+    protocol: Literal["tcp", "rdma", "efa"] = Field("tcp", description="Mooncake's transport")
+    device_names: str = Field("", description="RDMA devices (comma-separated); empty: discovered")
+    segment_size: ByteSize = Field(
+        ByteSize(1 << 30), description="memory this client contributes to the store (pages others write may "
+        "live in it, and go when this process does)")
+    local_buffer_size: ByteSize = Field(ByteSize(64 << 20), description="Mooncake's own transfer buffer")
+    staging_size: ByteSize = Field(
+        ByteSize(64 << 20), description="registered memory pages are staged through when the caller's buffers "
+        "are not registered with Mooncake (a batch larger than this goes in parts)")
 
 
 class RemoteConfig(_Section):
     """A network tier below memory and disk: the lmkv server or Redis.
 
     ``url`` picks it: ``lmkv://host:port`` (``lmkvs://`` for TLS), ``redis://``,
-    ``rediss://`` (TLS), ``unix:///path/redis.sock``, or
-    ``redis-cluster://host:port,host:port`` (``rediss-cluster://`` for TLS).
+    ``rediss://`` (TLS), ``unix:///path/redis.sock``,
+    ``redis-cluster://host:port,host:port`` (``rediss-cluster://`` for TLS), or a Mooncake
+    Store master, ``mooncake://host:port`` (its client's settings in ``remote.mooncake``).
     """
 
     url: str | None = Field(None, description="unset: no network tier")
@@ -181,18 +204,20 @@ class RemoteConfig(_Section):
     connect_timeout: float = Field(2.0, gt=0, le=600, description="seconds to connect")
     max_connections: int = Field(16, ge=1, le=1024, description="connection pool size")
     ttl: float | None = Field(None, gt=0, description="Redis: seconds before a page expires (none: never)")
-    key_prefix: str = Field("lmkv:", max_length=64, description="Redis: prefix of every key lmkv writes")
+    key_prefix: str = Field("lmkv:", max_length=64, description="Redis, Mooncake: prefix of every key lmkv writes")
     verify: bool = Field(True, description="verify checksums of pages read over the network")
     shm: Literal["auto", "never"] = Field(
         "auto", description="lmkv server on this host: move bulk bytes through shared memory"
     )
     shm_size: ByteSize = Field(ByteSize(64 << 20), description="shared-memory window per connection")
+    mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
 
     @field_validator("url")
     @classmethod
     def _known_scheme(cls, url: str | None) -> str | None:
-        if url is not None and urlsplit(url).scheme not in SERVER_SCHEMES + REDIS_SCHEMES:
-            accepted = ", ".join(f"{s}://" for s in SERVER_SCHEMES + REDIS_SCHEMES)
+        known = SERVER_SCHEMES + REDIS_SCHEMES + MOONCAKE_SCHEMES
+        if url is not None and urlsplit(url).scheme not in known:
+            accepted = ", ".join(f"{s}://" for s in known)
             raise ValueError(f"unknown scheme {urlsplit(url).scheme!r} (accepted: {accepted})")
         return url
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
-from lmkv.config import REDIS_SCHEMES, LMKVConfig, RemoteConfig
+from lmkv.config import MOONCAKE_SCHEMES, REDIS_SCHEMES, LMKVConfig, RemoteConfig
 from lmkv.lookup import HasContains
 from lmkv.tiers.accounts import Accounts
 from lmkv.tiers.base import Tier
@@ -33,6 +33,10 @@ def open_remote(cfg: RemoteConfig, namespace: str = "default") -> RemoteTier | N
         from lmkv.tiers.redis import RedisTier  # (redis-py is an optional dependency)
 
         return RedisTier(cfg)
+    if urlsplit(cfg.url).scheme in MOONCAKE_SCHEMES:
+        from lmkv.tiers.mooncake import MooncakeTier  # (the Mooncake client is an optional dependency)
+
+        return MooncakeTier(cfg)
     from lmkv.tiers.server_client import ServerTier
 
     return ServerTier(cfg, namespace)

@@ -1,0 +1,263 @@
+"""Mooncake Store as a tier: pages as objects of the field's distributed KV store (FAST'25).
+
+``remote.url: mooncake://MASTER:PORT``. Each page is one object, its packed header followed by
+its payload (lmkv's remote page format, :mod:`lmkv.tiers.remote`), under
+``remote.key_prefix`` + the page key in hex: the page key carries the model and the namespace,
+so tenants never share an object. Every read, whole or ranged, is verified against the header's
+per-unit digests (Mooncake's own checksum is opt-in and skips ranged reads). Like Redis pages,
+Mooncake objects belong to no residency domain: clearing a domain leaves them, and Mooncake's
+own eviction and leases decide how long they live.
+
+This client contributes ``remote.mooncake.segment_size`` of memory to the store (objects other
+clients write may live in it). Mooncake moves bytes only between registered buffers (its TCP
+transport too, since 0.3.12): pages go through a registered staging buffer of this tier.
+
+Mooncake's calls block in C++: each runs on a thread of this tier's and is waited for at most
+``remote.timeout`` (a master that stopped answering costs that once; the tier is then marked
+down, and every call fails at once until it answers a ping). Connecting waits for the master to
+listen (Mooncake's ``setup`` would retry for as long as it is away, holding the interpreter
+lock): an engine starts and serves while the master is down, and the tier comes up when the
+master does.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from lmkv import threads
+from lmkv.config import ConfigError, RemoteConfig
+from lmkv.errors import TierUnavailableError
+from lmkv.keys import PageKey
+from lmkv.layout import GroupLayout
+from lmkv.page import FIXED_BYTES, PageHeader, num_units
+from lmkv.tiers.base import Range
+from lmkv.tiers.remote import RemoteTier, batches
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: threads Mooncake's blocking calls run on (a stalled master holds one each until it answers)
+CALL_THREADS = 4
+#: Mooncake's error codes a read answers for an object that is not there to read: a miss
+MISSING = {-704: "object not found", -707: "lease expired", -706: "object busy"}
+
+
+def master_address(url: str) -> str:
+    parts = urlsplit(url)
+    if not parts.hostname or not parts.port:
+        raise ConfigError(f"remote.url = {url!r}: expected mooncake://host:port (the master's RPC address)")
+    return f"{parts.hostname}:{parts.port}"
+
+
+def header_bytes(layout: GroupLayout) -> int:
+    """A page's packed header length: what precedes its payload in the object."""
+    return FIXED_BYTES + 8 * num_units(layout)
+
+
+class MooncakeTier(RemoteTier):
+    """Mooncake Store through its Python client. Thread-safe (the staging buffer is taken under a
+    lock, one batch at a time)."""
+
+    def __init__(self, cfg: RemoteConfig, name: str = "mooncake") -> None:
+        super().__init__(name, cfg)
+        assert cfg.url is not None
+        self.master = master_address(cfg.url)
+        self.mc = cfg.mooncake
+        self.prefix = cfg.key_prefix
+        self._calls = threads.pool(CALL_THREADS, "lmkv-mooncake")
+        self._lock = threading.Lock()
+        self._store: Any = None  # the connected client (MooncakeDistributedStore)
+        self._connecting: Future | None = None
+        self._staging = np.zeros(int(self.mc.staging_size), np.uint8)
+        self._staging_lock = threading.Lock()
+
+    # -- the client ------------------------------------------------------------
+
+    def _connect(self):
+        """A client set up with the master, if the master accepts a connection now: Mooncake's
+        ``setup`` retries for as long as the master is away, holding Python's interpreter lock
+        (measured: every thread of the process stopped for 90 s), so it is called only once the
+        master is seen listening."""
+        from mooncake.store import MooncakeDistributedStore  # (pip install 'lmkv[mooncake]')
+
+        host, port = self.master.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=self.cfg.connect_timeout).close()
+        except OSError as err:
+            raise TierUnavailableError(f"{self.name}: master {self.master}: {err}") from err
+        store = MooncakeDistributedStore()
+        mc = self.mc
+        rc = store.setup(mc.local_hostname, mc.metadata_server, int(mc.segment_size), int(mc.local_buffer_size),
+                         mc.protocol, mc.device_names, self.master)
+        if rc != 0:
+            raise TierUnavailableError(f"{self.name}: setting up the client with master {self.master} failed ({rc})")
+        rc = store.register_buffer(self._staging.ctypes.data, self._staging.nbytes)
+        if rc != 0:
+            store.close()
+            raise TierUnavailableError(f"{self.name}: registering {self._staging.nbytes} bytes of staging "
+                                       f"failed ({rc})")
+        with self._lock:
+            self._store = store
+        log.info("lmkv: %s tier connected to master %s", self.name, self.master)
+        return store
+
+    def _client(self):
+        """The connected client; while there is none, a connection is started (one at a time) and
+        waited for at most ``remote.connect_timeout``."""
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            if self._connecting is None or self._connecting.done():
+                self._connecting = self._calls.submit(self._connect)
+            fut = self._connecting
+        try:
+            return fut.result(timeout=self.cfg.connect_timeout)
+        except FutureTimeout:
+            raise TierUnavailableError(f"{self.name}: master {self.master} did not answer in "
+                                       f"{self.cfg.connect_timeout} s") from None
+
+    def _run(self, call: Callable[..., T], *args) -> T:
+        """``call(client, *args)`` on a call thread, waited for at most ``remote.timeout``."""
+        client = self._client()
+        fut = self._calls.submit(call, client, *args)
+        try:
+            return fut.result(timeout=self.cfg.timeout)
+        except FutureTimeout:
+            raise TierUnavailableError(f"{self.name}: master {self.master} did not answer in {self.cfg.timeout} s") \
+                from None
+        except (RuntimeError, ValueError, TypeError) as err:  # the binding's own failures: the tier's
+            raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+
+    def _name(self, key: PageKey) -> str:
+        return self.prefix + key.hex()
+
+    # -- primitives ------------------------------------------------------------
+
+    def _ping(self) -> None:
+        rc = self._run(lambda c: c.health_check())
+        if rc != 0:
+            raise TierUnavailableError(f"{self.name}: health check answered {rc}")
+
+    def _exists(self, keys: Sequence[PageKey]) -> list[bool]:
+        names = [self._name(k) for k in keys]
+        found = self._run(lambda c: c.batch_is_exist(names))
+        if any(r < 0 for r in found):
+            raise TierUnavailableError(f"{self.name}: the master could not answer for {sum(r < 0 for r in found)} keys")
+        return [r == 1 for r in found]
+
+    def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
+              ranges: Sequence[Range] | None) -> list:
+        """Into staging a batch at a time: the header and the payload (or the header and each of
+        ``ranges``) of every page; then each payload's bytes into its ``out``."""
+        hdr = header_bytes(layout)
+        want = [(0, layout.payload_bytes)] if ranges is None else [(a, b) for a, b in ranges]
+        per_page = hdr + sum(b - a for a, b in want)
+        if per_page > self._staging.nbytes:
+            raise TierUnavailableError(f"{self.name}: a {per_page}-byte page does not fit remote.mooncake.staging_size")
+        out: list = []
+        with self._staging_lock:
+            for r in batches([per_page] * len(keys), self._staging.nbytes, len(keys)):
+                out += self._read_batch([keys[i] for i in r], [outs[i] for i in r], hdr, want, per_page,
+                                        whole=ranges is None)
+        return out
+
+    def _read_batch(self, keys: list[PageKey], outs: list, hdr: int, want: list[tuple[int, int]],
+                    per_page: int, whole: bool) -> list:
+        base = self._staging.ctypes.data
+        names = [self._name(k) for k in keys]
+        if whole:
+            got = self._run(lambda c: c.batch_get_into(names, [base + i * per_page for i in range(len(keys))],
+                                                       [per_page] * len(keys)))
+            ok = [n == per_page for n in got]
+        else:  # one call: every page's header and ranges, each at its place in staging
+            dst, src, sizes = [], [], []
+            for i in range(len(keys)):
+                at = i * per_page
+                d, s_, z = [at], [0], [hdr]
+                at += hdr
+                for a, b in want:
+                    d.append(at)
+                    s_.append(hdr + a)
+                    z.append(b - a)
+                    at += b - a
+                dst.append([d])
+                src.append([s_])
+                sizes.append([z])
+            got = self._run(lambda c: c.get_into_ranges([base] * len(keys), [[n] for n in names], dst, src, sizes))
+            ok = [all(x >= 0 for frag in g for x in frag) and sum(x for frag in g for x in frag) == per_page
+                  for g in got]
+        results: list = []
+        for i, (good, out) in enumerate(zip(ok, outs)):
+            if not good:
+                results.append(None)
+                continue
+            at = i * per_page
+            raw = bytes(self._staging[at : at + hdr])
+            dst_view = np.frombuffer(memoryview(out).cast("B"), np.uint8)
+            at += hdr
+            for a, b in want:
+                np.copyto(dst_view[a:b], self._staging[at : at + b - a])
+                at += b - a
+            results.append(raw)
+        return results
+
+    def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
+        """Into staging a batch at a time (each page's header, then its payload), then one
+        ``batch_put_from``: an object is readable only once all of it is there."""
+        sizes = [h.header_bytes + len(v) for h, v in pages]
+        if max(sizes, default=0) > self._staging.nbytes:
+            raise TierUnavailableError(f"{self.name}: a {max(sizes)}-byte page does not fit "
+                                       "remote.mooncake.staging_size")
+        stored: list[bool] = []
+        base = self._staging.ctypes.data
+        with self._staging_lock:
+            for r in batches(sizes, self._staging.nbytes, len(pages)):
+                names, ptrs, at = [], [], 0
+                for i in r:
+                    h, v = pages[i]
+                    packed = h.pack()
+                    self._staging[at : at + len(packed)] = np.frombuffer(packed, np.uint8)
+                    self._staging[at + len(packed) : at + sizes[i]] = np.frombuffer(v, np.uint8)
+                    names.append(self._name(h.key))
+                    ptrs.append(base + at)
+                    at += sizes[i]
+                rcs = self._run(lambda c, n=names, p=ptrs, z=[sizes[i] for i in r]: c.batch_put_from(n, p, z))
+                for rc in rcs:
+                    if rc != 0 and rc != -705:  # (-705: the object is there already)
+                        self.stats.full += 1
+                stored += [rc in (0, -705) for rc in rcs]
+        return stored
+
+    def _delete(self, keys: Sequence[PageKey]) -> int:
+        names = [self._name(k) for k in keys]
+        return sum(rc == 0 for rc in self._run(lambda c: c.batch_remove(names, True)))
+
+    def _clear(self, domain: str) -> int:
+        """Mooncake objects belong to no engine's domain (see the module docstring): nothing to drop."""
+        return 0
+
+    def _fetch_usage(self) -> tuple[int, int, int]:
+        """Mooncake's client does not say how full the store is: unknown (0)."""
+        return 0, 0, 0
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            try:
+                store.unregister_buffer(self._staging.ctypes.data)
+                store.close()
+            except (RuntimeError, ValueError) as err:
+                log.info("lmkv: %s tier: closing the client: %s", self.name, err)
+        self._calls.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,181 @@
+"""The Mooncake Store tier against a real ``mooncake_master`` on loopback: pages stored and read
+back verified (whole and by ranges), damage and absence are misses, a master that is down or
+stalled costs a bounded wait and the tier comes back, pages another process wrote are read here
+(Mooncake places each object in some client's segment: the writer's going loses those)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from conftest import make_pages
+
+from lmkv.config import RemoteConfig
+from lmkv.dev.mooncake_master import start_master
+from lmkv.dev.redis_server import free_port
+from lmkv.errors import TierUnavailableError
+
+pytest.importorskip("mooncake.store")
+
+from lmkv.tiers.mooncake import MooncakeTier, header_bytes  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def master():
+    with start_master() as m:
+        yield m
+
+
+def _tier(url: str, **kw) -> MooncakeTier:
+    mc = {"segment_size": 64 << 20, "local_buffer_size": 16 << 20, "staging_size": 8 << 20}
+    return MooncakeTier(RemoteConfig(url=url, timeout=kw.pop("timeout", 5.0), mooncake=mc, **kw))
+
+
+@pytest.fixture(scope="module")
+def tier(master):
+    t = _tier(master.url)
+    yield t
+    t.close()
+
+
+def _read(tier, layout, keys) -> list:
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+    return [h is not None for h in tier.get(keys, layout, outs)], outs
+
+
+def test_pages_round_trip_verified_whole_and_by_ranges(tier, layout):
+    keys, payloads, pages = make_pages(layout, 40, seed=1)  # (more than one staging batch: 8 MiB / 64 KiB)
+    assert tier.put(pages, "engine") == [True] * 40
+    assert tier.contains(keys + [b"\0" * 16]) == [True] * 40 + [False]
+    found, outs = _read(tier, layout, keys)
+    assert all(found) and all((o == p).all() for o, p in zip(outs, payloads))
+    layer = layout.layer_range(2)
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys[:3]]
+    assert all(h is not None for h in tier.get_ranges(keys[:3], layout, [layer], outs))
+    for o, p in zip(outs, payloads):
+        assert (o[layer[0] : layer[1]] == p[layer[0] : layer[1]]).all() and not o[: layer[0]].any()
+    assert tier.delete(keys[:2]) == 2
+    assert tier.contains(keys[:3]) == [False, False, True]
+
+
+def test_a_damaged_object_is_a_miss_and_only_its_damaged_layer_fails_a_ranged_read(tier, layout):
+    keys, payloads, pages = make_pages(layout, 2, seed=2)
+    assert tier.put(pages, "engine") == [True, True]
+    raw = tier._client()
+    name = tier._name(keys[0])
+    blob = np.zeros(header_bytes(layout) + layout.payload_bytes, np.uint8)  # (in registered memory: staging)
+    staging = tier._staging
+    assert raw.batch_get_into([name], [staging.ctypes.data], [blob.nbytes]) == [blob.nbytes]
+    blob[:] = staging[: blob.nbytes]
+    flip = header_bytes(layout) + layout.layer_range(1)[0] + 7
+    blob[flip] ^= 0xFF
+    staging[: blob.nbytes] = blob
+    assert raw.batch_remove([name], True) == [0]
+    assert raw.batch_put_from([name], [staging.ctypes.data], [blob.nbytes]) == [0]
+    out = [np.zeros(layout.payload_bytes, np.uint8)]
+    assert tier.get_ranges(keys[:1], layout, [layout.layer_range(0)], out)[0] is not None  # its layer 0 is fine
+    assert tier.get_ranges(keys[:1], layout, [layout.layer_range(1)], out)[0] is None  # (and the page is dropped)
+    found, _ = _read(tier, layout, keys)
+    assert found == [False, True]
+
+
+def test_a_master_that_is_not_there_is_a_bounded_miss_and_the_tier_comes_up_with_it(layout):
+    port = free_port()
+    t = _tier(f"mooncake://127.0.0.1:{port}", connect_timeout=0.5)
+    keys, _, pages = make_pages(layout, 2, seed=3)
+    t0 = time.monotonic()
+    with pytest.raises(TierUnavailableError):
+        t.contains(keys)
+    assert time.monotonic() - t0 < 0.5 + 0.5
+    with pytest.raises(TierUnavailableError):  # marked down: fails at once
+        t.put(pages, "engine")
+    with start_master(port):
+        deadline = time.monotonic() + 30
+        while not t.health.up and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert t.health.up
+        assert t.put(pages, "engine") == [True, True] and t.contains(keys) == [True, True]
+        t.close()
+
+
+def test_a_stalled_master_costs_one_timeout_then_fails_fast(layout):
+    with start_master() as m:
+        t = _tier(m.url, timeout=1.0)
+        keys, _, pages = make_pages(layout, 2, seed=4)
+        assert t.put(pages, "engine") == [True, True]
+        m.signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TierUnavailableError):
+                t.contains(keys)
+            assert time.monotonic() - t0 < 1.0 + 0.5
+            t0 = time.monotonic()
+            with pytest.raises(TierUnavailableError):
+                t.contains(keys)
+            assert time.monotonic() - t0 < 0.1
+        finally:
+            m.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not t.health.up and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert t.health.up and t.contains(keys) == [True, True]
+        t.close()
+
+
+WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, "tests")
+    from conftest import make_pages
+    from lmkv.layout import attention_layout
+    from lmkv.config import RemoteConfig
+    from lmkv.tiers.mooncake import MooncakeTier
+    layout = attention_layout("attn", num_layers=4, tokens_per_page=32, num_kv_heads=2, head_size=64,
+                              dtype_bytes=2, dtype="bfloat16")
+    t = MooncakeTier(RemoteConfig(url=sys.argv[1], mooncake={"segment_size": 64 << 20,
+                                  "local_buffer_size": 16 << 20, "staging_size": 8 << 20}))
+    keys, payloads, pages = make_pages(layout, 3, seed=int(sys.argv[2]))
+    assert t.put(pages, "engine") == [True] * 3
+    print(" ".join(k.hex() for k in keys), flush=True)
+    sys.stdin.read()  # until told to go
+""")
+
+
+def test_pages_written_by_another_process_are_read_here_and_its_death_is_a_miss(master, tier, layout):
+    _, payloads, _ = make_pages(layout, 3, seed=77)  # (the writer's payloads: the same seeds)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, master.url, "77"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None
+        keys = [bytes.fromhex(k) for k in writer.stdout.readline().split()]
+        assert len(keys) == 3
+        found, outs = _read(tier, layout, keys)
+        assert all(found) and all((o == p).all() for o, p in zip(outs, payloads))
+    finally:
+        writer.kill()
+        writer.wait()
+    t0 = time.monotonic()
+    found, outs = _read(tier, layout, keys)  # (an object that lived in the writer's segment is gone)
+    assert time.monotonic() - t0 < tier.cfg.timeout + 1.0
+    assert all((o == p).all() for f, o, p in zip(found, outs, payloads) if f)  # what is found is right
+
+
+def test_a_store_writes_through_to_mooncake_and_loads_from_it(layout):
+    from lmkv.config import load_config
+    from lmkv.store import TieredStore
+
+    keys, payloads, pages = make_pages(layout, 4, seed=5)
+    with start_master() as m, TieredStore(load_config({"memory": {"capacity": "16MiB"}, "remote": {
+            "url": m.url, "mooncake": {"segment_size": 64 << 20, "local_buffer_size": 16 << 20,
+                                       "staging_size": 8 << 20}}}, environ={})) as store:
+        store.put_pages(pages)
+        store.drain()
+        store.memory.delete(keys)
+        assert store.lookup(keys).tiers == ("mooncake",) * 4
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        assert all(h is not None for h in store.get(keys, layout, outs))
+        assert all((o == p).all() for o, p in zip(outs, payloads))
