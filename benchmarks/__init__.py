@@ -21,6 +21,7 @@ BENCHES = {
     "pd": "prefill/decode hand-off between two vllm serve engines through a shared tier: D's loads, TTFT, "
           "a stalled tier's cost",
     "scale": "scheduler lookups of a 131k-token prompt, a disk tier opening over 100k pages, a 1M-page memory index",
+    "mooncake": "the Mooncake Store tier put/get GB/s beside raw Mooncake client calls on a real master",
     "gds": "disk-tier pages read into / written from device memory with GPUDirect Storage, beside raw cuFile "
            "and the POSIX + pinned-host path (GPU only)",
 }

@@ -175,7 +175,8 @@ class MooncakeConfig(_Section):
     device_names: str = Field("", description="RDMA devices (comma-separated); empty: discovered")
     segment_size: ByteSize = Field(
         ByteSize(1 << 30), description="memory this client contributes to the store (pages others write may "
-        "live in it, and go when this process does)")
+        "live in it, and go when this process does); 0: none, the pages live in other clients' segments "
+        "(dedicated storage clients, e.g. Mooncake's mooncake_client)")
     local_buffer_size: ByteSize = Field(ByteSize(64 << 20), description="Mooncake's own transfer buffer")
     staging_size: ByteSize = Field(
         ByteSize(64 << 20), description="registered memory pages are staged through when the caller's buffers "

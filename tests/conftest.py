@@ -69,6 +69,21 @@ def redis_node():
 
 
 @pytest.fixture(scope="session")
+def mooncake_master():
+    """A real mooncake_master on a loopback port for the whole session, with a storage client
+    (``mooncake_client``) holding 256 MiB of the pool: pages outlive the store that wrote them."""
+    pytest.importorskip("mooncake.store")
+    from lmkv.dev.mooncake_master import start_master, start_storage
+
+    with start_master() as m, start_storage(m, 256 << 20):
+        yield m
+
+
+#: a Mooncake client of the session's master: it contributes no memory (the storage client holds the pages)
+MOONCAKE_SMALL = {"segment_size": 0, "local_buffer_size": 16 << 20, "staging_size": 8 << 20}
+
+
+@pytest.fixture(scope="session")
 def redis_cluster():
     """A real three-node Redis Cluster on loopback ports."""
     from lmkv.dev.redis_server import start_cluster

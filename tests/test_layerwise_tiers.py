@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 import torch
+from conftest import MOONCAKE_SMALL
 
 from lmkv.config import load_config
 from lmkv.engine.layer_fetch import SpanChooser
@@ -36,15 +37,18 @@ def server():
         yield s
 
 
-@pytest.fixture(params=["disk", "server", "redis"])
+@pytest.fixture(params=["disk", "server", "redis", "mooncake"])
 def below(request, tmp_path):
     """The config of a store whose pages live in one tier below memory."""
     if request.param == "disk":
         extra = {"disk": {"path": str(tmp_path / "disk")}}
     elif request.param == "server":
         extra = {"remote": {"url": request.getfixturevalue("server").url}}
-    else:
+    elif request.param == "redis":
         extra = {"remote": {"url": request.getfixturevalue("redis_node").url, "key_prefix": uuid.uuid4().hex}}
+    else:
+        extra = {"remote": {"url": request.getfixturevalue("mooncake_master").url, "key_prefix": uuid.uuid4().hex,
+                            "mooncake": MOONCAKE_SMALL}}
     return {"memory": {"capacity": "16MiB"}, "namespace": uuid.uuid4().hex, "layerwise_span": 1, **extra}
 
 

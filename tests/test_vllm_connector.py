@@ -191,6 +191,22 @@ def test_two_engines_share_pages_through_redis(model, redis_node):
         assert stats["tiers"]["redis"]["hits"] == 9
 
 
+def test_two_engines_share_pages_through_mooncake(model, mooncake_master):
+    """The engines contribute no memory; a storage client holds the pages (Mooncake's usual layout)."""
+    from conftest import MOONCAKE_SMALL
+
+    p = prompt(300, seed=24)
+    cfg = {"memory": {"capacity": "256MiB"}, "layerwise_span": 1,
+           "remote": {"url": mooncake_master.url, "key_prefix": "e2e:", "mooncake": MOONCAKE_SMALL}}
+    with engine(model, lmkv=cfg) as first:
+        expected = generate(first, [p])
+    with engine(model, lmkv=cfg) as second:
+        assert generate(second, [p]) == expected
+        stats = lmkv_stats(second)
+        assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9
+        assert stats["tiers"]["mooncake"]["hits"] == 9
+
+
 def test_a_same_host_server_stalled_mid_load_changes_no_page_the_engine_is_served(model, monkeypatch):
     """The default same-host setup (Unix socket, the server copying into lmkv's shared memory arena):
     a prompt's pages live only in the server, which is paused (SIGSTOP) just as the engine's load of

@@ -1,4 +1,5 @@
-"""Start a real ``mooncake_master`` on loopback, for tests and benchmarks.
+"""Start a real ``mooncake_master`` (and a storage client, ``mooncake_client``) on loopback, for
+tests and benchmarks.
 
 lmkv never starts Mooncake for users; this is what the test-suite and ``lmkv bench`` use so that
 they test against the real store. The master binds loopback only (by default it listens on
@@ -21,11 +22,11 @@ from pathlib import Path
 from lmkv.dev.redis_server import free_port
 
 
-def _binary() -> str:
-    here = Path(sys.executable).parent / "mooncake_master"  # (installed beside this interpreter)
-    path = str(here) if here.exists() else shutil.which("mooncake_master")
+def _binary(name: str = "mooncake_master") -> str:
+    here = Path(sys.executable).parent / name  # (installed beside this interpreter)
+    path = str(here) if here.exists() else shutil.which(name)
     if path is None:
-        raise RuntimeError("mooncake_master not found: pip install 'lmkv[mooncake]'")
+        raise RuntimeError(f"{name} not found: pip install 'lmkv[mooncake]'")
     return path
 
 
@@ -80,3 +81,26 @@ def start_master(port: int | None = None, timeout: float = 20.0, flags: Sequence
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"mooncake_master on port {port} did not listen within {timeout} s")
+
+
+def start_storage(master: MooncakeMaster, size: int, timeout: float = 20.0) -> MooncakeMaster:
+    """A storage client (``mooncake_client``) contributing ``size`` bytes of memory to the master's
+    pool: pages live there whatever engine wrote them (engines with ``segment_size: 0``)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [_binary("mooncake_client"), f"--master_server_address=127.0.0.1:{master.port}",
+         "--metadata_server=P2PHANDSHAKE", "--host=127.0.0.1", f"--port={port}",
+         f"--global_segment_size={size >> 20} MB", "--protocol=tcp"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mooncake_client exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return MooncakeMaster(proc, port)
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"mooncake_client did not listen within {timeout} s")

@@ -68,8 +68,13 @@ def open_tiers(cfg: LMKVConfig, on_evict: EvictHook | None = None, lower: Sequen
 
 def open_views(cfg: LMKVConfig) -> tuple[list[HasContains], RemoteTier | None]:
     """What a scheduler whose workers live in other processes can look up by itself: the shared
-    disk directory's files and the network tier (returned apart too: the caller closes it)."""
-    remote = open_remote(cfg.remote, cfg.namespace)
+    disk directory's files and the network tier (returned apart too: the caller closes it). A
+    Mooncake client there only asks what exists: it contributes no memory to the store."""
+    rc = cfg.remote
+    if rc.url is not None and urlsplit(rc.url).scheme in MOONCAKE_SCHEMES:
+        rc = rc.model_copy(update={"mooncake": rc.mooncake.model_copy(update={
+            "segment_size": 0, "local_buffer_size": 1 << 20, "staging_size": 1 << 20})})
+    remote = open_remote(rc, cfg.namespace)
     views: list[HasContains] = [DiskView(cfg.disk.path)] if cfg.disk.path else []
     if remote is not None:
         views.append(remote)

@@ -1,0 +1,111 @@
+"""``lmkv bench mooncake``: the Mooncake Store tier beside raw Mooncake client calls.
+
+A real ``mooncake_master`` on loopback and two clients in this process: lmkv's tier, and a raw
+``MooncakeDistributedStore`` with a registered buffer (the baseline). Per round, the same pages:
+
+- ``mooncake.put.2MiB``: ``MooncakeTier.put`` of 2 MiB pages (header and payload, one object
+  each); baseline: ``batch_put_from`` of objects of the same sizes from registered memory.
+- ``mooncake.get.2MiB`` / ``mooncake.get.256KiB``: ``MooncakeTier.get`` into plain buffers, every
+  page verified; baseline: ``batch_get_into`` of the same objects into registered memory.
+- ``mooncake.get_layer.2MiB``: one layer's range of every page (what a layerwise load asks for a
+  span), verified; baseline: ``get_into_ranges`` of the same ranges.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from lmkv.benchmarks.report import Report, gbps, interleaved, timed
+from lmkv.benchmarks.tiers import bench_layout, random_keys
+from lmkv.config import RemoteConfig
+from lmkv.dev.mooncake_master import start_master
+from lmkv.page import make_header
+
+log = logging.getLogger("lmkv.bench.mooncake")
+
+
+def run(quick: bool = False) -> Report:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+
+        from lmkv.tiers.mooncake import MooncakeTier
+    except ImportError as err:
+        report = Report("mooncake", params={"skipped": f"the Mooncake client is not installed ({err})"})
+        return report
+    rounds = 3 if quick else 7
+    report = Report("mooncake", params={"rounds": rounds, "protocol": "tcp", "host": "loopback"})
+    with start_master() as master:
+        mc = {"segment_size": 1 << 30, "local_buffer_size": 64 << 20, "staging_size": 128 << 20}
+        tier = MooncakeTier(RemoteConfig(url=master.url, timeout=30, mooncake=mc))
+        raw = MooncakeDistributedStore()
+        if raw.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 30, 64 << 20, "tcp", "", master.url.split("//")[1]) != 0:
+            raise RuntimeError("the raw Mooncake client could not set up")
+        reg = np.zeros(160 << 20, np.uint8)
+        if raw.register_buffer(reg.ctypes.data, reg.nbytes) != 0:
+            raise RuntimeError("the raw Mooncake client could not register its buffer")
+        try:
+            _size(report, tier, raw, reg, "2MiB", 2 << 20, 16 if quick else 32, rounds)
+            _size(report, tier, raw, reg, "256KiB", 256 << 10, 128, rounds)
+        finally:
+            raw.unregister_buffer(reg.ctypes.data)
+            raw.close()
+            tier.close()
+    return report
+
+
+def _size(report: Report, tier, raw, reg: np.ndarray, label: str, page: int, n: int, rounds: int) -> None:
+    """One page size's figures (``raw``: a Mooncake client with ``reg`` registered)."""
+    from lmkv.tiers.mooncake import header_bytes
+
+    lay = bench_layout(page)
+    obj = header_bytes(lay) + page
+    payloads = [np.random.default_rng(i).integers(0, 256, page, dtype=np.uint8) for i in range(n)]
+    keys = random_keys(n)
+    if not all(tier.put([(make_header(k, lay, p), p) for k, p in zip(keys, payloads)], "bench")):
+        raise RuntimeError("the Mooncake tier refused pages")
+    names = [tier._name(k) for k in keys]
+    ptrs = [reg.ctypes.data + i * obj for i in range(n)]
+    outs = [np.zeros(page, np.uint8) for _ in range(n)]
+    what = "raw MooncakeDistributedStore calls of the same objects into registered memory, same run"
+
+    def get() -> float:
+        return gbps(n * page, timed(lambda: tier.get(keys, lay, outs)))
+
+    def raw_get() -> float:
+        return gbps(n * page, timed(lambda: raw.batch_get_into(names, ptrs, [obj] * n)))
+
+    ours, base = interleaved(rounds, get, raw_get)
+    if not all(np.array_equal(o, p) for o, p in zip(outs, payloads)):
+        raise RuntimeError("the Mooncake tier read wrong bytes")
+    report.add(f"mooncake.get.{label}", ours, "GB/s", base, what)
+    if label != "2MiB":
+        return
+    a, b = lay.layer_range(lay.num_layers // 2)
+
+    def layer() -> float:
+        return gbps(n * (b - a), timed(lambda: tier.get_ranges(keys, lay, [(a, b)], outs)))
+
+    def raw_layer() -> float:
+        dst, src, size = [[[0]]] * n, [[[header_bytes(lay) + a]]] * n, [[[b - a]]] * n
+        return gbps(n * (b - a), timed(lambda: raw.get_into_ranges(ptrs, [[x] for x in names], dst, src, size)))
+
+    ours, base = interleaved(rounds, layer, raw_layer)
+    report.add("mooncake.get_layer.2MiB", ours, "GB/s", base, what)
+
+    def put() -> float:
+        fresh = random_keys(n)
+        todo = [(make_header(k, lay, p), p) for k, p in zip(fresh, payloads)]  # (untimed)
+        took = timed(lambda: tier.put(todo, "bench"))
+        tier.delete(fresh)
+        return gbps(n * page, took)
+
+    def raw_put() -> float:
+        fresh = [f"raw:{k.hex()}" for k in random_keys(n)]
+        took = timed(lambda: raw.batch_put_from(fresh, ptrs, [obj] * n))
+        raw.batch_remove(fresh, True)
+        return gbps(n * page, took)
+
+    ours, base = interleaved(rounds, put, raw_put)
+    report.add("mooncake.put.2MiB", ours, "GB/s", base, what)
