@@ -35,12 +35,12 @@ import numpy as np
 
 from lmkv import threads
 from lmkv.config import ConfigError, RemoteConfig
-from lmkv.errors import TierUnavailableError
+from lmkv.errors import PageError, TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
-from lmkv.page import FIXED_BYTES, PageHeader, num_units
+from lmkv.page import FIXED_BYTES, PageHeader, num_units, units_in_ranges, unpack_header, verify_units
 from lmkv.tiers.base import Range
-from lmkv.tiers.remote import RemoteTier, batches
+from lmkv.tiers.remote import Checked, RemoteTier, batches
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,6 @@ T = TypeVar("T")
 
 #: threads Mooncake's blocking calls run on (a stalled master holds one each until it answers)
 CALL_THREADS = 4
-#: Mooncake's error codes a read answers for an object that is not there to read: a miss
-MISSING = {-704: "object not found", -707: "lease expired", -706: "object busy"}
 
 
 def master_address(url: str) -> str:
@@ -157,59 +155,93 @@ class MooncakeTier(RemoteTier):
 
     def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               ranges: Sequence[Range] | None) -> list:
-        """Into staging a batch at a time: the header and the payload (or the header and each of
-        ``ranges``) of every page; then each payload's bytes into its ``out``."""
+        """Into staging a batch at a time, the two halves of staging in turn: while Mooncake moves
+        one batch (its calls release the interpreter lock), the last one's pages are copied into
+        their ``outs`` and their units verified, still in cache. Each page lands as its header and
+        payload (or its header and each of ``ranges``)."""
         hdr = header_bytes(layout)
         want = [(0, layout.payload_bytes)] if ranges is None else [(a, b) for a, b in ranges]
+        units = units_in_ranges(layout, want)
         per_page = hdr + sum(b - a for a, b in want)
-        if per_page > self._staging.nbytes:
-            raise TierUnavailableError(f"{self.name}: a {per_page}-byte page does not fit remote.mooncake.staging_size")
+        half = self._staging.nbytes // 2
+        if per_page > half:
+            raise TierUnavailableError(f"{self.name}: a {per_page}-byte page does not fit half of "
+                                       "remote.mooncake.staging_size")
         out: list = []
         with self._staging_lock:
-            for r in batches([per_page] * len(keys), self._staging.nbytes, len(keys)):
-                out += self._read_batch([keys[i] for i in r], [outs[i] for i in r], hdr, want, per_page,
-                                        whole=ranges is None)
+            client = self._client()
+            landing: tuple[Future, range, int] | None = None
+            for n, r in enumerate(batches([per_page] * len(keys), half, len(keys))):
+                at = (n % 2) * half
+                names = [self._name(keys[i]) for i in r]
+                moving = self._calls.submit(self._fetch, client, names, at, hdr, want, per_page, ranges is None)
+                if landing is not None:
+                    out += self._land(*landing, keys, layout, outs, hdr, want, per_page, units)
+                landing = (moving, r, at)
+            if landing is not None:
+                out += self._land(*landing, keys, layout, outs, hdr, want, per_page, units)
         return out
 
-    def _read_batch(self, keys: list[PageKey], outs: list, hdr: int, want: list[tuple[int, int]],
-                    per_page: int, whole: bool) -> list:
-        base = self._staging.ctypes.data
-        names = [self._name(k) for k in keys]
+    def _fetch(self, client, names: list[str], at: int, hdr: int, want: list[tuple[int, int]], per_page: int,
+               whole: bool) -> list[bool]:
+        """One Mooncake call: each object (or its header and ranges) into staging from ``at``, page
+        after page; per page, whether all of it came."""
+        base = self._staging.ctypes.data + at
         if whole:
-            got = self._run(lambda c: c.batch_get_into(names, [base + i * per_page for i in range(len(keys))],
-                                                       [per_page] * len(keys)))
-            ok = [n == per_page for n in got]
-        else:  # one call: every page's header and ranges, each at its place in staging
-            dst, src, sizes = [], [], []
-            for i in range(len(keys)):
-                at = i * per_page
-                d, s_, z = [at], [0], [hdr]
-                at += hdr
-                for a, b in want:
-                    d.append(at)
-                    s_.append(hdr + a)
-                    z.append(b - a)
-                    at += b - a
-                dst.append([d])
-                src.append([s_])
-                sizes.append([z])
-            got = self._run(lambda c: c.get_into_ranges([base] * len(keys), [[n] for n in names], dst, src, sizes))
-            ok = [all(x >= 0 for frag in g for x in frag) and sum(x for frag in g for x in frag) == per_page
-                  for g in got]
+            got = client.batch_get_into(names, [base + i * per_page for i in range(len(names))],
+                                        [per_page] * len(names))
+            return [g == per_page for g in got]
+        dst, src, sizes = [], [], []
+        for i in range(len(names)):
+            d, s_, z, pos = [i * per_page], [0], [hdr], i * per_page + hdr
+            for a, b in want:
+                d.append(pos)
+                s_.append(hdr + a)
+                z.append(b - a)
+                pos += b - a
+            dst.append([d])
+            src.append([s_])
+            sizes.append([z])
+        got = client.get_into_ranges([base] * len(names), [[n] for n in names], dst, src, sizes)
+        return [all(x >= 0 for frag in g for x in frag) and sum(x for frag in g for x in frag) == per_page
+                for g in got]
+
+    def _land(self, moving: Future, r: range, at: int, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
+              hdr: int, want: list[tuple[int, int]], per_page: int, units: list[int]) -> list:
+        """A batch's pages from staging into their ``outs`` once Mooncake moved them, each verified
+        right after its copy (a :class:`Checked` header), or its raw header for the caller's check to
+        count and drop, or None where the object was not there."""
+        try:
+            came = moving.result(timeout=self.cfg.timeout)
+        except FutureTimeout:
+            raise TierUnavailableError(f"{self.name}: master {self.master} did not answer in {self.cfg.timeout} s") \
+                from None
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
         results: list = []
-        for i, (good, out) in enumerate(zip(ok, outs)):
-            if not good:
+        for j, (i, ok) in enumerate(zip(r, came)):
+            if not ok:
                 results.append(None)
                 continue
-            at = i * per_page
-            raw = bytes(self._staging[at : at + hdr])
-            dst_view = np.frombuffer(memoryview(out).cast("B"), np.uint8)
-            at += hdr
+            pos = at + j * per_page
+            raw = bytes(self._staging[pos : pos + hdr])
+            dst = np.frombuffer(memoryview(outs[i]).cast("B"), np.uint8)
+            pos += hdr
             for a, b in want:
-                np.copyto(dst_view[a:b], self._staging[at : at + b - a])
-                at += b - a
-            results.append(raw)
+                np.copyto(dst[a:b], self._staging[pos : pos + b - a])
+                pos += b - a
+            results.append(self._verified(keys[i], raw, layout, dst, units) if self.verifies else raw)
         return results
+
+    def _verified(self, key: PageKey, raw: bytes, layout: GroupLayout, out, units: list[int]):
+        """Parse and verify one landed page: :class:`Checked`, or its raw header (the caller's
+        check counts and drops it)."""
+        try:
+            h = unpack_header(raw, expect_key=key, layout=layout)
+            verify_units(h, layout, out, units)
+        except PageError:
+            return raw
+        return Checked(h)
 
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
         """Into staging a batch at a time (each page's header, then its payload), then one
