@@ -178,33 +178,25 @@ def test_two_engines_share_pages_through_the_lmkv_server(model, multiprocess):
             assert stats["tiers"]["server"]["hits"] == 9
 
 
-def test_two_engines_share_pages_through_redis(model, redis_node):
-    p = prompt(300, seed=23)
-    cfg = {"memory": {"capacity": "256MiB"}, "remote": {"url": redis_node.url, "key_prefix": "e2e:"},
-           "layerwise_span": 1}
-    with engine(model, lmkv=cfg) as first:
-        expected = generate(first, [p])
-    with engine(model, lmkv=cfg) as second:
-        assert generate(second, [p]) == expected
-        stats = lmkv_stats(second)
-        assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9
-        assert stats["tiers"]["redis"]["hits"] == 9
-
-
-def test_two_engines_share_pages_through_mooncake(model, mooncake_master):
-    """The engines contribute no memory; a storage client holds the pages (Mooncake's usual layout)."""
+@pytest.mark.parametrize("tier", ["redis", "mooncake"])
+def test_two_engines_share_pages_through_a_network_store(model, tier, request):
+    """Redis, and Mooncake Store with engines that contribute no memory (a storage client holds the
+    pages: Mooncake's usual layout)."""
     from conftest import MOONCAKE_SMALL
 
-    p = prompt(300, seed=24)
-    cfg = {"memory": {"capacity": "256MiB"}, "layerwise_span": 1,
-           "remote": {"url": mooncake_master.url, "key_prefix": "e2e:", "mooncake": MOONCAKE_SMALL}}
+    if tier == "redis":
+        remote = {"url": request.getfixturevalue("redis_node").url}
+    else:
+        remote = {"url": request.getfixturevalue("mooncake_master").url, "mooncake": MOONCAKE_SMALL}
+    p = prompt(300, seed=23)
+    cfg = {"memory": {"capacity": "256MiB"}, "remote": {**remote, "key_prefix": "e2e:"}, "layerwise_span": 1}
     with engine(model, lmkv=cfg) as first:
         expected = generate(first, [p])
     with engine(model, lmkv=cfg) as second:
         assert generate(second, [p]) == expected
         stats = lmkv_stats(second)
         assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9
-        assert stats["tiers"]["mooncake"]["hits"] == 9
+        assert stats["tiers"][tier]["hits"] == 9
 
 
 def test_a_same_host_server_stalled_mid_load_changes_no_page_the_engine_is_served(model, monkeypatch):

@@ -62,6 +62,21 @@ class MooncakeMaster:
         self.stop()
 
 
+def _listening(proc: subprocess.Popen, port: int, what: str, timeout: float) -> MooncakeMaster:
+    """``proc`` once it accepts connections on ``port`` (killed if it does not within ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} on port {port} exited with {proc.returncode} (port in use?)")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return MooncakeMaster(proc, port)
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{what} on port {port} did not listen within {timeout} s")
+
+
 def start_master(port: int | None = None, timeout: float = 20.0, flags: Sequence[str] = ()) -> MooncakeMaster:
     """``mooncake_master`` on 127.0.0.1 (its RPC and metrics ports both), once it accepts connections."""
     port = port or free_port()
@@ -70,17 +85,7 @@ def start_master(port: int | None = None, timeout: float = 20.0, flags: Sequence
          f"--metrics_port={free_port()}", *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master on port {port} exited with {proc.returncode} (port in use?)")
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return MooncakeMaster(proc, port)
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"mooncake_master on port {port} did not listen within {timeout} s")
+    return _listening(proc, port, "mooncake_master", timeout)
 
 
 def start_storage(master: MooncakeMaster, size: int, timeout: float = 20.0) -> MooncakeMaster:
@@ -93,14 +98,4 @@ def start_storage(master: MooncakeMaster, size: int, timeout: float = 20.0) -> M
          f"--global_segment_size={size >> 20} MB", "--protocol=tcp"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_client exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return MooncakeMaster(proc, port)
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"mooncake_client did not listen within {timeout} s")
+    return _listening(proc, port, "mooncake_client", timeout)
