@@ -179,3 +179,31 @@ def test_a_store_writes_through_to_mooncake_and_loads_from_it(layout):
         outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
         assert all(h is not None for h in store.get(keys, layout, outs))
         assert all((o == p).all() for o, p in zip(outs, payloads))
+
+
+def test_a_killed_master_is_a_bounded_miss_and_a_new_one_is_picked_up(layout):
+    port = free_port()
+    keys, payloads, pages = make_pages(layout, 3, seed=6)
+    with start_master(port) as m:
+        t = _tier(m.url, timeout=1.0, connect_timeout=0.5)
+        assert t.put(pages, "engine") == [True] * 3
+        m.signal(signal.SIGKILL)
+        m.proc.wait()
+        t0 = time.monotonic()
+        try:  # a miss or an outage, within the timeout; never wrong bytes
+            found, outs = _read(t, layout, keys)
+            assert all((o == p).all() for f, o, p in zip(found, outs, payloads) if f)
+        except TierUnavailableError:
+            pass
+        assert time.monotonic() - t0 < 1.0 + 0.5
+    with start_master(port):  # a new master: the client is known to it again within seconds
+        deadline, stored = time.monotonic() + 30, [False]
+        while not all(stored) and time.monotonic() < deadline:
+            try:
+                stored = t.put(pages, "engine")
+            except TierUnavailableError:
+                time.sleep(0.2)
+        assert all(stored)
+        found, outs = _read(t, layout, keys)
+        assert all(found) and all((o == p).all() for o, p in zip(outs, payloads))
+        t.close()

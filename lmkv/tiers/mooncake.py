@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Mooncake's error codes from here down: the master did not answer (its RPC failed)
+RPC_FAILED = -900
 #: threads Mooncake's blocking calls run on (a stalled master holds one each until it answers)
 CALL_THREADS = 4
 
@@ -142,9 +144,12 @@ class MooncakeTier(RemoteTier):
     # -- primitives ------------------------------------------------------------
 
     def _ping(self) -> None:
+        """The client's health and a question the master must answer (``health_check`` alone says 0
+        with the master gone; a restarted master knows this client again a few seconds later)."""
         rc = self._run(lambda c: c.health_check())
-        if rc != 0:
-            raise TierUnavailableError(f"{self.name}: health check answered {rc}")
+        asked = self._run(lambda c: c.batch_is_exist([self.prefix + "ping"]))
+        if rc != 0 or asked[0] < 0:
+            raise TierUnavailableError(f"{self.name}: health check answered {rc}, the master {asked[0]}")
 
     def _exists(self, keys: Sequence[PageKey]) -> list[bool]:
         names = [self._name(k) for k in keys]
@@ -264,6 +269,8 @@ class MooncakeTier(RemoteTier):
                     ptrs.append(base + at)
                     at += sizes[i]
                 rcs = self._run(lambda c, n=names, p=ptrs, z=[sizes[i] for i in r]: c.batch_put_from(n, p, z))
+                if rcs and all(rc <= RPC_FAILED for rc in rcs):
+                    raise TierUnavailableError(f"{self.name}: master {self.master} unreachable ({rcs[0]})")
                 for rc in rcs:
                     if rc != 0 and rc != -705:  # (-705: the object is there already)
                         self.stats.full += 1
