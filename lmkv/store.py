@@ -148,11 +148,6 @@ class TieredStore:
         with self.metrics.timed("lookup"):
             return prefix_lookup(keys, self.tiers)
 
-    def lookup_local(self, keys: Sequence[PageKey]) -> Lookup:
-        """As :meth:`lookup`, asking only the tiers in this process (what a lookup answers while a
-        network tier is presumed stalled)."""
-        return prefix_lookup(keys, self.local_tiers)
-
     def find_prefix(self, keys_of: Callable[[int, int], Sequence[PageKey]], start: int, end: int,
                     memo: PrefixMemo | None = None, local: bool = False) -> tuple[Lookup, PrefixMemo]:
         """:func:`lmkv.lookup.find_prefix` over these tiers (``local``: only those in this process):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lmkv.keys import PageKey
-from lmkv.lookup import Lookup, PrefixMemo, find_prefix, locate, prefix_lookup
+from lmkv.lookup import Lookup, PrefixMemo, find_prefix, locate
 from lmkv.tiers.changes import ChangeNotes
 
 
@@ -105,12 +105,6 @@ class ResidencyMirror:
 
     def contains_local(self, keys: Sequence[PageKey]) -> list[bool]:
         return [w is not None for w in locate(keys, self._local)]
-
-    def lookup(self, keys: Sequence[PageKey]) -> Lookup:
-        return prefix_lookup(keys, self.tiers)
-
-    def lookup_local(self, keys: Sequence[PageKey]) -> Lookup:
-        return prefix_lookup(keys, self._local)
 
     def find_prefix(self, keys_of: Callable[[int, int], Sequence[PageKey]], start: int, end: int,
                     memo: PrefixMemo | None = None, local: bool = False) -> tuple[Lookup, PrefixMemo]:

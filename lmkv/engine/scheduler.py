@@ -127,12 +127,6 @@ class Residency(Protocol):
     """What the scheduler asks about residency: a :class:`~lmkv.store.TieredStore` or a
     :class:`~lmkv.engine.residency.ResidencyMirror` of workers in other processes."""
 
-    def lookup(self, keys: Sequence[PageKey]) -> Lookup: ...
-
-    def lookup_local(self, keys: Sequence[PageKey]) -> Lookup:
-        """As ``lookup``, without a network round trip."""
-        ...
-
     def find_prefix(self, keys_of: Callable[[int, int], Sequence[PageKey]], start: int, end: int,
                     memo: PrefixMemo | None = None, local: bool = False) -> tuple[Lookup, PrefixMemo]:
         """:func:`lmkv.lookup.find_prefix` over its tiers (``local``: without a network round trip)."""

@@ -172,11 +172,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             return
         e.domains = self._domains.remove(e.domains, domain)
         if not e.domains:
-            del self._index[key]
-            self._policy(e.account).remove(key)
-            self._used -= e.file_bytes
-            self._accounts.refund(e.account, e.file_bytes)
-            self.notes.lost(key)
+            self._forget(key)  # (no owner's file left to unlink)
 
     def _index_file(self, key: PageKey, domain: str, size: int) -> None:
         """Under the lock (or alone, at start-up): a page file found on disk joins the index, charged
@@ -184,21 +180,24 @@ class DiskTier(LocalTier, ReadsInPlace):
         e = self._index.get(key)
         if e is None:
             account = self._accounts.account_of(domain)
-            e = self._index[key] = _Entry(size, 0, account)
-            self._policy(account).insert(key)
-            self.notes.gained()
-            self._used += size
+            e = self._new_entry(key, size, account)
             self._accounts.charge(account, size)
         e.domains = self._domains.add(e.domains, domain)
 
     def _add(self, key: PageKey, domain: str, size: int, account: str) -> None:
         """Under the lock: a page file this process linked into place joins the index (its room is
         charged already) and the directory's log."""
-        self._index[key] = _Entry(size, self._domains.add(0, domain), account)
+        e = self._new_entry(key, size, account)
+        e.domains = self._domains.add(0, domain)
+        self._log.write(Change(Op.LINKED, key, domain, size))
+
+    def _new_entry(self, key: PageKey, size: int, account: str) -> _Entry:
+        """Under the lock: a page new to the index, owned by no domain yet (its caller adds them)."""
+        e = self._index[key] = _Entry(size, 0, account)
         self._policy(account).insert(key)
         self._used += size
         self.notes.gained()
-        self._log.write(Change(Op.LINKED, key, domain, size))
+        return e
 
     def _policy(self, account: str) -> EvictionPolicy:
         p = self._policies.get(account)
@@ -430,17 +429,21 @@ class DiskTier(LocalTier, ReadsInPlace):
         """A page's entry for a read (its use noted for eviction): from the index, brought up to date
         with the other processes' logs where it lacks the key, or (while the index is rebuilt) from
         the files."""
-        for attempt in range(3):
-            with self._lock:
-                e = self._index.get(key)
-                if e is not None:
-                    self._policy(e.account).touch(key)
-                    return e
-            if attempt == 0:
-                self._follow()
-            elif self._indexed.is_set() or not self._adopt(key, domains_in(self._data)):
-                return None
-        return None
+        e = self._touched(key)
+        if e is None:
+            self._follow()
+            e = self._touched(key)
+        if e is None and not self._indexed.is_set() and self._adopt(key, domains_in(self._data)):
+            e = self._touched(key)
+        return e
+
+    def _touched(self, key: PageKey) -> _Entry | None:
+        """The index's entry for a page, its use noted for eviction."""
+        with self._lock:
+            e = self._index.get(key)
+            if e is not None:
+                self._policy(e.account).touch(key)
+            return e
 
     def _adopt(self, key: PageKey, domains: list[str]) -> bool:
         """Index a page found on disk that the index does not hold yet (while it is rebuilt)."""
