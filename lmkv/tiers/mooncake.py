@@ -35,12 +35,12 @@ import numpy as np
 
 from lmkv import threads
 from lmkv.config import ConfigError, RemoteConfig
-from lmkv.errors import PageError, TierUnavailableError
+from lmkv.errors import TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
-from lmkv.page import FIXED_BYTES, PageHeader, num_units, units_in_ranges, unpack_header, verify_units
+from lmkv.page import FIXED_BYTES, PageHeader, num_units, units_in_ranges
 from lmkv.tiers.base import Range
-from lmkv.tiers.remote import Checked, RemoteTier, batches
+from lmkv.tiers.remote import RemoteTier, batches
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,10 @@ class MooncakeTier(RemoteTier):
 
     def _run(self, call: Callable[..., T], *args) -> T:
         """``call(client, *args)`` on a call thread, waited for at most ``remote.timeout``."""
-        client = self._client()
-        fut = self._calls.submit(call, client, *args)
+        return self._wait(self._calls.submit(call, self._client(), *args))
+
+    def _wait(self, fut: Future[T]) -> T:
+        """A call's result, waited for at most ``remote.timeout``; any failure is the tier's."""
         try:
             return fut.result(timeout=self.cfg.timeout)
         except FutureTimeout:
@@ -216,13 +218,7 @@ class MooncakeTier(RemoteTier):
         """A batch's pages from staging into their ``outs`` once Mooncake moved them, each verified
         right after its copy (a :class:`Checked` header), or its raw header for the caller's check to
         count and drop, or None where the object was not there."""
-        try:
-            came = moving.result(timeout=self.cfg.timeout)
-        except FutureTimeout:
-            raise TierUnavailableError(f"{self.name}: master {self.master} did not answer in {self.cfg.timeout} s") \
-                from None
-        except (RuntimeError, ValueError, TypeError) as err:
-            raise TierUnavailableError(f"{self.name}: {type(err).__name__}: {err}") from err
+        came = self._wait(moving)
         results: list = []
         for j, (i, ok) in enumerate(zip(r, came)):
             if not ok:
@@ -237,16 +233,6 @@ class MooncakeTier(RemoteTier):
                 pos += b - a
             results.append(self._verified(keys[i], raw, layout, dst, units) if self.verifies else raw)
         return results
-
-    def _verified(self, key: PageKey, raw: bytes, layout: GroupLayout, out, units: list[int]):
-        """Parse and verify one landed page: :class:`Checked`, or its raw header (the caller's
-        check counts and drops it)."""
-        try:
-            h = unpack_header(raw, expect_key=key, layout=layout)
-            verify_units(h, layout, out, units)
-        except PageError:
-            return raw
-        return Checked(h)
 
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
         """Into staging a batch at a time (each page's header, then its payload), then one

@@ -208,6 +208,16 @@ class RemoteTier(Tier):
     def _fetch_usage(self) -> tuple[int, int, int]:
         """(used bytes, capacity bytes, pages), for stats."""
 
+    def _verified(self, key: PageKey, raw: bytes, layout: GroupLayout, out, units: list[int]):
+        """Parse and verify one page a subclass landed (while the next is still on its way):
+        :class:`Checked`, or its raw header for :meth:`_check` to count and drop."""
+        try:
+            h = unpack_header(raw, expect_key=key, layout=layout)
+            verify_units(h, layout, out, units)
+        except PageError:
+            return raw
+        return Checked(h)
+
     # -- guarded calls ---------------------------------------------------------
 
     def _call(self, fn, *args):

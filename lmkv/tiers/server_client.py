@@ -249,15 +249,6 @@ class ServerTier(RemoteTier):
         """:meth:`_verified` for each page of one chunk's reply (``None``: not found)."""
         return [None if raw is None else self._verified(key, raw, layout, out, units) for key, raw, out in pages]
 
-    def _verified(self, key: PageKey, raw: bytes, layout: GroupLayout, out, units: list[int]):
-        """Parse and verify one page (on the verifier thread, while the next page arrives)."""
-        try:
-            h = unpack_header(raw, expect_key=key, layout=layout)
-            verify_units(h, layout, out, units)
-        except PageError:
-            return raw  # the caller's check counts and drops it
-        return Checked(h)
-
     def _read_into_arena(self, c: Connection, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
                          msg: LayoutMsg, wire_ranges: list[tuple[int, int]] | None, dst: list[int],
                          units: list[int], per_page: int) -> list:
