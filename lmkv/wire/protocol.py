@@ -36,7 +36,7 @@ import msgspec
 
 from lmkv.errors import LMKVError
 from lmkv.layout import GroupLayout, Growth, Segment, StateKind
-from lmkv.page import MAX_UNITS
+from lmkv.page import MAX_UNITS, as_bytes_view
 
 MAGIC = b"LKV1"
 FRAME = struct.Struct("<4sB3xIQ")
@@ -278,8 +278,7 @@ def send_buffers(sock: socket.socket, buffers: Sequence) -> None:
         for b in buffers:
             sock.sendall(b)
         return
-    views = [memoryview(b).cast("B") if memoryview(b).format != "B" else memoryview(b) for b in buffers]
-    views = [v for v in views if len(v)]
+    views = [v for v in map(as_bytes_view, buffers) if len(v)]
     i = 0
     while i < len(views):
         sent = sock.sendmsg(views[i : i + IOV_BATCH])
