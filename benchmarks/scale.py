@@ -31,7 +31,6 @@ import os
 import shutil
 import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from dataclasses import replace
 import numpy as np
 
 from lmkv.benchmarks.report import Report, gbps, interleaved, timed
+from lmkv.benchmarks.server import CMD
 from lmkv.benchmarks.tiers import bench_layout, random_keys
 from lmkv.config import DiskConfig, MemoryConfig, RemoteConfig, load_config
 from lmkv.dev.server_process import spawn
@@ -59,7 +59,7 @@ from lmkv.tiers.page_files import DiskView
 from lmkv.tiers.quarantine import Quarantine
 from lmkv.tiers.server_client import ServerTier
 from lmkv.wire import shm_window
-from lmkv.wire.protocol import ProtocolError, recv_exact
+from lmkv.wire.protocol import recv_exact
 
 log = logging.getLogger("lmkv.bench.scale")
 
@@ -204,44 +204,11 @@ def run(quick: bool = False) -> Report:
 
 # -- lmkv serve beside a plain socket server ----------------------------------------------------
 
-_CMD = struct.Struct("<BQ")
-
-
-def plain_server() -> None:
-    """The baseline server (its own process): a thread per connection; each request names a byte
-    count, answered with that many bytes from a buffer (a GET), or read and acknowledged (a PUT)."""
-    srv = socket.create_server(("127.0.0.1", 0), backlog=256)
-    print(srv.getsockname()[1], flush=True)
-    src = memoryview(bytearray(os.urandom(16 << 20)))
-
-    def serve(conn: socket.socket) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        head = memoryview(bytearray(_CMD.size))
-        sink = memoryview(bytearray(16 << 20))
-        with conn:
-            while True:
-                try:
-                    recv_exact(conn, head)
-                except (OSError, ProtocolError):
-                    return
-                op, n = _CMD.unpack(head)
-                if op == 1:
-                    for off in range(0, n, len(sink)):
-                        recv_exact(conn, sink[: min(len(sink), n - off)])
-                    conn.sendall(b"k")
-                else:
-                    conn.sendall(src[: min(n, len(src))])
-
-    while True:
-        conn, _ = srv.accept()
-        threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-
 def _plain_get_loop(port: int, page: int, until: float) -> int:
     with socket.create_connection(("127.0.0.1", port)) as c:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         out = memoryview(bytearray(page))
-        cmd = _CMD.pack(2, page)
+        cmd = CMD.pack(2, page)
         n = 0
         while time.time() < until:
             c.sendall(cmd)
@@ -305,7 +272,7 @@ def _gets(kind: str, where: str, page: int, clients: int, keys: list[PageKey], s
 
 def _server(report: Report, quick: bool) -> None:
     seconds = 1.5 if quick else 4.0
-    plain = subprocess.Popen([sys.executable, "-c", "from lmkv.benchmarks.scale import plain_server; plain_server()"],
+    plain = subprocess.Popen([sys.executable, "-c", "from lmkv.benchmarks.server import raw_peer; raw_peer()"],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert plain.stdout is not None
@@ -388,7 +355,7 @@ def _write_through(report: Report, url: str, port: str, rounds: int) -> None:
 
         def plain() -> float:
             def go() -> None:
-                raw.sendall(_CMD.pack(1, n * page))
+                raw.sendall(CMD.pack(1, n * page))
                 for p in payloads:
                     raw.sendall(p.data)
                 recv_exact(raw, ack)

@@ -47,31 +47,39 @@ from lmkv.wire.protocol import PROTOCOL_VERSION, Hello, Keys, Op, encode, frame,
 log = logging.getLogger("lmkv.bench.server")
 
 PAGE = 2 << 20
-_CMD = struct.Struct("<BQ")
+#: a plain-server request: op (1 sink, 2 source) and its byte count
+CMD = struct.Struct("<BQ")
 
 
 def raw_peer() -> None:
-    """The baseline's other process: sinks or sources the bytes asked for, into/from one buffer."""
-    srv = socket.create_server(("127.0.0.1", 0))
+    """The baseline's other process, a plain threaded socket server: on each connection (a thread
+    each), sinks or sources the bytes asked for, into/from one buffer."""
+    srv = socket.create_server(("127.0.0.1", 0), backlog=256)
     print(srv.getsockname()[1], flush=True)
-    conn, _ = srv.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = memoryview(bytearray(os.urandom(256 << 20)))
-    head = memoryview(bytearray(_CMD.size))
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = memoryview(bytearray(CMD.size))
+        with conn:
+            while True:
+                try:
+                    recv_exact(conn, head)
+                except Exception:
+                    return
+                op, n = CMD.unpack(head)
+                n = min(n, len(buf))
+                if op == 1:  # sink n bytes into distinct pages of the buffer, then ack
+                    for off in range(0, n, PAGE):
+                        recv_exact(conn, buf[off : off + min(PAGE, n - off)])
+                    conn.sendall(b"k")
+                else:  # source n bytes from distinct pages (as a server sends distinct pages, not one hot one)
+                    for off in range(0, n, PAGE):
+                        conn.sendall(buf[off : off + min(PAGE, n - off)])
+
     while True:
-        try:
-            recv_exact(conn, head)
-        except Exception:
-            return
-        op, n = _CMD.unpack(head)
-        n = min(n, len(buf))
-        if op == 1:  # sink n bytes into distinct pages of the buffer, then ack
-            for off in range(0, n, PAGE):
-                recv_exact(conn, buf[off : off + min(PAGE, n - off)])
-            conn.sendall(b"k")
-        else:  # source n bytes from distinct pages (as a server sends distinct pages, not one hot one)
-            for off in range(0, n, PAGE):
-                conn.sendall(buf[off : off + min(PAGE, n - off)])
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
 
 def _fresh_connection_ops(port: int, seconds: float) -> int:
@@ -128,7 +136,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
 
         def raw_put() -> float:
             def go():
-                raw.sendall(_CMD.pack(1, n * PAGE))
+                raw.sendall(CMD.pack(1, n * PAGE))
                 for p in payloads:
                     raw.sendall(p.data)
                 recv_exact(raw, ack)
@@ -136,7 +144,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
 
         def raw_get() -> float:
             def go():
-                raw.sendall(_CMD.pack(2, n * PAGE))
+                raw.sendall(CMD.pack(2, n * PAGE))
                 for o in outs:
                     recv_exact(raw, o.data)
             return gbps(n * PAGE, timed(go))
