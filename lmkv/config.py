@@ -125,9 +125,11 @@ class OffloadConfig(_Section):
         "lazy: a cached page is copied only when the engine's free queue is about to reuse its "
         "block (needs the engine's prefix caching; fewer copies, see lmkv bench offload)",
     )
-    horizon_steps: float = Field(4.0, gt=0, description="lazy: steps of allocations the danger zone covers")
+    horizon_steps: float = Field(
+        4.0, gt=0, description="lazy, with link_bytes_per_step: steps of allocations the danger zone covers (without a "
+        "declared link the zone is the next step's known demand plus the largest share of new requests lately)")
     ema_alpha: float = Field(0.2, gt=0, le=1, description="lazy: weight of the last step in the allocation rate")
-    watermark_blocks: int = Field(16, ge=0, description="lazy: blocks always in the danger zone")
+    watermark_blocks: int = Field(16, ge=0, description="lazy, with link_bytes_per_step: blocks always in the danger zone")
     drain_link_share: float = Field(
         0.5, gt=0, le=1, description="lazy: the share of a step's time the copies planned in it may take on the "
         "copy link (the workers' measured copy rate x the forward's measured time: the same link time whatever "

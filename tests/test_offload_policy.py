@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -41,8 +43,8 @@ def _policy(tier: set, **kw) -> LazyOffload:
                        1 << 20, tier.__contains__)
 
 
-def test_danger_depth_follows_the_allocation_rate():
-    p = _policy(set(), ema_alpha=0.5, horizon_steps=4)
+def test_with_a_declared_link_danger_depth_follows_the_allocation_rate():
+    p = _policy(set(), ema_alpha=0.5, horizon_steps=4, link_bytes_per_step=1 << 30)
     assert p.danger_depth() == 0
     p.note_step(10)
     assert p.danger_depth() == 4 * 5
@@ -50,6 +52,30 @@ def test_danger_depth_follows_the_allocation_rate():
     assert p.danger_depth() == 4 * 7.5
     p.note_step(0)
     assert p.danger_depth() == 15  # it decays when the engine allocates less
+
+
+def test_without_a_link_the_zone_is_the_next_steps_demand():
+    """Just in time: the zone covers what the next step is known to take plus the largest share of new
+    requests a step took lately (fading), and the steps after it only where one step's link time
+    cannot copy them all."""
+    p = _policy(set(), ema_alpha=0.5, horizon_steps=4, watermark_blocks=16)
+    p.note_step(0)
+    p.note_demand(3)  # three decodes cross a page boundary next step
+    assert p.danger_depth() == 3  # (horizon_steps and watermark_blocks are the declared link's)
+    p.note_step(3)  # it took what was known of it
+    assert p.unforeseen_burst == 0
+    p.note_step(40)  # a new prompt's 40 blocks were known to none
+    p.note_demand(2)
+    assert p.danger_depth() == 2 + 40
+    for _ in range(300):
+        p.note_step(0)
+    assert p.danger_depth() < 20  # the burst fades
+    p.observe_copies(bytes_per_s=8 << 20, step_s=1.0)  # a slow link: 4 pages of 1 MiB a step (half its time)
+    p.note_step(0)
+    p.note_demand(10)
+    burst = math.ceil(p.unforeseen_burst)
+    steps = -(-(10 + burst) // 4)
+    assert p.danger_depth() == 10 + burst + (steps - 1) * math.ceil(p.alloc_ema)
 
 
 def test_only_the_danger_zone_is_planned_and_the_free_queue_is_left_as_it_was(engine):
@@ -67,7 +93,9 @@ def test_only_the_danger_zone_is_planned_and_the_free_queue_is_left_as_it_was(en
     assert p.plan(queue) == []
     p.note_step(200)  # a burst: everything is in danger
     picks = p.plan(queue)
-    assert [x.block_hash for x in picks] == chain  # the whole chain, oldest page first (closure order)
+    # the whole chain, in the engine's eviction order (its last page first; each page's earlier ones wait
+    # behind it in the queue, owed their copies)
+    assert [x.block_hash for x in picks] == chain[::-1]
     assert not any(x.rescue for x in picks)  # still in the queue: copied during the step's forward
     assert mgr.block_pool.get_num_free_blocks() == free_before and [h for _, _, h in queue.iter_free(1 << 20)] == order
     assert all(queue.block_hash(x.block_id) == x.block_hash for x in picks)  # the snapshot holds this step
@@ -77,18 +105,22 @@ def test_only_the_danger_zone_is_planned_and_the_free_queue_is_left_as_it_was(en
     assert not p.inflight and [h for _, _, h in queue.iter_free(1 << 20)] == order
 
 
-def test_prefix_closure_copies_cached_ancestors_and_skips_broken_chains(engine):
+@pytest.mark.parametrize("link", [None, 1 << 30])
+def test_prefix_closure_copies_or_owes_cached_ancestors_and_skips_broken_chains(engine, link):
+    """With a declared link a block's cached ancestors go with it (oldest first); without one each is copied
+    when it comes due (after it: the engine evicts a chain's last page first). Either way a page after a
+    hole is never copied."""
     mgr, queue, finish = engine
     chain = finish("a", list(range(3, 3 + 4 * BS)))
     tier: set = {chain[0]}
-    p = _policy(tier)
+    p = _policy(tier, link_bytes_per_step=link)
     p.note_chain(chain)
     p.note_step(200)
     picks = p.plan(queue)
-    assert [x.block_hash for x in picks] == chain[1:]  # the first page is in lmkv already
+    assert [x.block_hash for x in picks] == (chain[1:] if link else chain[:0:-1])  # the first page is in lmkv
     p.done(picks)
     # now break the chain: evict page 1 from the engine while lmkv lacks it
-    p2 = _policy(set())
+    p2 = _policy(set(), link_bytes_per_step=link)
     p2.note_chain(chain)
     mgr.block_pool.evict_blocks({queue.cached_block(chain[1])})
     p2.note_step(200)
@@ -111,20 +143,24 @@ def test_closure_stops_at_an_ancestor_a_running_request_holds(engine):
     p.note_chain(chain)
     p.note_step(200)
     picks = p.plan(queue)
-    assert [x.block_hash for x in picks] == chain[2:]
+    assert [x.block_hash for x in picks] == chain[:1:-1]
     p.done(picks)
     mgr.free(running)
 
 
-def test_drain_cap_takes_the_oldest_pages_first(engine):
+@pytest.mark.parametrize("link", [False, True])
+def test_a_drain_cap_takes_the_pages_nearest_reuse_first(engine, link):
+    """Two pages a step: without a declared link, the two the engine reuses first (the chain's last); with
+    one, a block's cached ancestors go with it, and a chain's oldest pages are kept first (a prefix is
+    useful on its own)."""
     mgr, queue, finish = engine
     chain = finish("a", list(range(3, 3 + 6 * BS)))
-    p = _policy(set(), drain_bytes_per_step=2 << 20)  # two 1 MiB pages per step
+    p = _policy(set(), **({"link_bytes_per_step": 2 << 20} if link else {"drain_bytes_per_step": 2 << 20}))
     p.note_chain(chain)
     p.note_step(200)
     first = p.plan(queue)
-    assert [x.block_hash for x in first] == chain[:2]
-    assert p.stats.capped_steps == 1
+    assert [x.block_hash for x in first] == (chain[:2] if link else chain[:-3:-1])
+    assert p.stats.capped_steps == link  # (a chain cut short)
     p.done(first)
 
 
@@ -157,8 +193,9 @@ def test_a_cap_of_a_fraction_of_pages_is_kept_on_average(engine, pages_per_step,
 def test_blocks_a_step_handed_out_are_rescued_before_its_forward(engine):
     """A burst (a long new prompt) takes cached blocks the zone did not reach. Their bytes are intact
     until the step's forward writes them, so the plan of that step copies them (rescues), with their
-    closure: an ancestor taken in the same step is rescued too, one still in the queue is copied as
-    usual. Rescued blocks are the step's requests' now; the others stay in the free queue."""
+    closure: an ancestor taken in the same step is rescued too, one still in the queue is owed its copy
+    when it comes due (here in this very step: the zone now reaches as far as a burst like this one).
+    Rescued blocks are the step's requests' now; the others stay in the free queue."""
     mgr, queue, finish = engine
     pool = mgr.block_pool
     a = finish("a", list(range(3, 3 + 3 * BS)))
@@ -175,8 +212,9 @@ def test_blocks_a_step_handed_out_are_rescued_before_its_forward(engine):
     p.note_step(2)
     picks = p.plan(queue)
     by_hash = {x.block_hash: x for x in picks}
-    assert [x.block_hash for x in picks] == a  # closure order: a[0] (still cached), then the rescued
-    assert not by_hash[a[0]].rescue and by_hash[a[1]].rescue and by_hash[a[2]].rescue
+    # the rescued (closure order), then the zone of a burst of 2: a[0] (owed) and b[1]
+    assert [x.block_hash for x in picks] == [a[1], a[2], a[0], b[1]]
+    assert by_hash[a[1]].rescue and by_hash[a[2]].rescue and not by_hash[a[0]].rescue and not by_hash[b[1]].rescue
     assert p.stats.rescued == 2
     assert pool.get_num_free_blocks() == 3  # a[0] and b stay in the queue
     p.done(picks)
@@ -186,6 +224,33 @@ def test_blocks_a_step_handed_out_are_rescued_before_its_forward(engine):
     pool.get_new_blocks(2)  # b's blocks
     linked.note_step(2)
     assert not any(x.rescue for x in linked.plan(queue)) and linked.stats.rescued == 0
+
+
+def test_an_ancestor_left_in_the_engine_is_copied_when_due_whatever_the_estimate_says(engine):
+    """Without a link a block's earlier pages are copied when they come due, not with it. Were the need
+    estimate to let blocks like them go then, the copied page would be an orphan (never hit): they
+    are owed their copies. A block no copied page depends on is skipped as the estimate says."""
+    mgr, queue, finish = engine
+    pool = mgr.block_pool
+    a = finish("a", list(range(3, 3 + 3 * BS)))
+    b = finish("b", list(range(500, 500 + 2 * BS)))
+    tier: set = set()
+    p = _policy(tier, ema_alpha=0.01)
+    p.note_chain(a)
+    p.note_chain(b)
+    pool.get_new_blocks(pool.get_num_free_blocks() - 5)  # the head: a's chain, last page first, then b's
+    p.note_step(0)
+    p.note_demand(1)
+    picks = p.plan(queue)
+    assert [x.block_hash for x in picks] == [a[2]]  # a[1] and a[0] wait behind it in the queue
+    tier.update(x.block_hash for x in picks)
+    p.done(picks)
+    p.reuse.skippable = lambda h, step: True  # from now on the estimate would let every block go
+    p.note_step(0)
+    p.note_demand(4)
+    picks = p.plan(queue)
+    assert [x.block_hash for x in picks] == [a[1], a[0]]  # owed (a[0] by a[1]); b[1] is skipped
+    assert p.stats.unlikely >= 1
 
 
 def test_a_rescue_needs_its_whole_prefix(engine):
@@ -271,7 +336,7 @@ def test_the_zone_is_walked_only_until_the_steps_copies_are_planned(engine):
 
     queue.iter_free = counting
     (pick,) = p.plan(queue)
-    assert pick.block_hash == chains[0][0]
+    assert pick.block_hash == chains[0][-1]  # the head of the queue: the chain's last page
     free = mgr.block_pool.get_num_free_blocks()
     assert walked[-1][2] == chains[0][-1] and len(walked) < free  # stopped at the first candidate
 
@@ -287,7 +352,7 @@ def test_the_blocks_nearest_the_head_go_first_under_a_cap(engine):
     p.note_chain(a)
     p.note_step(200)
     (pick,) = p.plan(queue)
-    assert pick.block_hash == a[0]  # a's chain, its first page first (closure)
+    assert pick.block_hash == a[-1]  # a's chain, its last page first (the engine frees it first)
 
 
 def test_traces_round_trip_through_parquet(tmp_path):
@@ -300,6 +365,19 @@ def test_traces_round_trip_through_parquet(tmp_path):
     pq.write_table(pa.table({"id": ["x"]}), str(tmp_path / "bad.parquet"))
     with pytest.raises(ValueError, match="missing columns"):
         load(str(tmp_path / "bad.parquet"))
+
+
+def test_simulator_lazy_writes_about_what_eviction_does():
+    """The copy-at-eviction bound (exactly the blocks vLLM evicts, copied as it evicts them) keeps every hit
+    eager keeps; lazy offload, told what the connector knows of the next step, writes about as much as it
+    and little that a prefix hit revives first."""
+    trace = generate("mixed", seed=5, scale=3.0)
+    cfg = SimConfig(num_blocks=max(256, distinct_blocks(trace, 32) // 2))
+    eager, evict, lazy = (simulate(trace, cfg, p) for p in ("eager", "evict", "lazy"))
+    assert evict.hit_tokens == eager.hit_tokens and evict.wasted_writes == 0 and evict.writes < eager.writes
+    assert lazy.writes <= 1.05 * evict.writes
+    assert lazy.hit_tokens >= 0.99 * eager.hit_tokens
+    assert lazy.wasted_writes <= 0.03 * lazy.writes and lazy.stale_writes == 0
 
 
 def test_simulator_lazy_writes_less_than_eager_and_never_stale():

@@ -70,6 +70,14 @@ def _pages(tokens: int, tpp: int) -> int:
     return -(-tokens // tpp)
 
 
+def _next_pages(computed: int, before: int, known: int, tpp: int) -> int:
+    """Blocks a request scheduled this step takes in the next: a prefill with ``known`` tokens and
+    ``computed`` of them done after this step computes another chunk like this step's (from
+    ``before``); a decode computes one token."""
+    upto = min(known, computed + max(1, computed - before)) if computed < known else computed + 1
+    return _pages(upto, tpp) - _pages(computed, tpp)
+
+
 @dataclass
 class RequestState:
     """What the scheduler side knows of one request: its keys, what it loads, what of it is stored."""
@@ -195,6 +203,8 @@ class OffloadScheduler:
         self._engine_key: Callable[[int, bytes], EngineBlockKey] | None = None
         self._engine_pages: OrderedDict[EngineBlockKey, tuple[int, ChainHash]] = OrderedDict()  # -> (group, chain)
         self._inflight: list[Pick] = []
+        #: lazy offload: requests looked up since the last step's plan -> the blocks admitting them takes
+        self._asked: dict[str, int] = {}
         #: groups that keep one state per sequence (Mamba), and every how many page boundaries one is kept
         self._state_groups = [g for g, lay in enumerate(self.groups) if lay.growth is Growth.PER_SEQUENCE]
         self._state_every = offload.state_every_pages if offload is not None else 1
@@ -244,6 +254,7 @@ class OffloadScheduler:
         local = num_computed_tokens // self.tpp
         st.local_pages = local
         if max_pages <= local or not self.groups or (self.role == "producer" and not self.pd.producer_loads):
+            self._asking(st, len(tokens))
             return 0
         if st.expect_pages and time.monotonic() < min(st.next_poll, st.wait_until):
             return None  # (waiting for announced pages: not asking again yet)
@@ -280,7 +291,14 @@ class OffloadScheduler:
             st.expect_pages = 0  # (waited for once)
         st.async_load = self.loads_async(below)
         self.stats.lookups += 1
+        self._asking(st, len(tokens))
         return hit * self.tpp
+
+    def _asking(self, st: RequestState, tokens: int) -> None:
+        """Lazy offload: a lookup answered, the engine may admit the request now; if it does not, the next
+        step takes its blocks (those the engine does not hold)."""
+        if self.lazy is not None:
+            self._asked[st.req_id] = _pages(tokens, self.tpp) - st.local_pages
 
     def idle_wait(self) -> float:
         """How long a step that runs nothing may pause before the engine steps again: until the next
@@ -406,6 +424,7 @@ class OffloadScheduler:
 
     def allocated(self, req_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
         """The engine gave the request its blocks; plan the load of ``num_external_tokens``."""
+        self._asked.pop(req_id, None)
         st = self.requests.get(req_id)
         if st is None:
             return
@@ -461,6 +480,7 @@ class OffloadScheduler:
             waiting.pending_pulls = []
         planned: set[PageKey] = set()  # two requests completing the same page in one step store it once
         allocated = 0  # blocks the engine handed out this step
+        demand = 0  # blocks the engine will hand out next step, as far as is known now (lazy offload)
         for s in scheduled:
             st = self.requests.get(s.req_id)
             if st is None:
@@ -471,6 +491,7 @@ class OffloadScheduler:
             st.pins = []
             full = min(s.computed_after_step, len(s.tokens)) // self.tpp
             allocated += _pages(s.computed_after_step, self.tpp) - _pages(st.computed, self.tpp)
+            demand += _next_pages(s.computed_after_step, st.computed, len(s.tokens), self.tpp)
             st.computed = s.computed_after_step
             if full > st.seen:
                 st.seen = full
@@ -499,7 +520,10 @@ class OffloadScheduler:
                                 plan.stores.append(op)
                 st.stored_upto = max(st.stored_upto, full if lazy else upto)
         if self.lazy_active:
-            self._lazy_stores(max(0, allocated), plan)
+            ran = {s.req_id for s in scheduled}
+            demand += sum(n for r, n in self._asked.items() if r not in ran)  # looked up, not admitted
+            self._lazy_stores(max(0, allocated), demand, plan)
+        self._asked.clear()
         return plan
 
     # -- lazy offload ----------------------------------------------------------
@@ -535,12 +559,14 @@ class OffloadScheduler:
         g, chain = gc
         return self.store.contains_local([page_key(chain, self.groups[g])])[0]
 
-    def _lazy_stores(self, allocated: int, plan: StepPlan) -> None:
-        """Release last step's copies (the workers ran them), then plan this step's: blocks the step
-        handed out go to ``plan.rescues`` (copied before the forward), the rest to ``plan.stores``."""
+    def _lazy_stores(self, allocated: int, demand: int, plan: StepPlan) -> None:
+        """Release last step's copies (the workers ran them), then plan this step's (``demand``: the
+        blocks the next step is known to take): blocks the step handed out go to ``plan.rescues``
+        (copied before the forward), the rest to ``plan.stores``."""
         assert self.lazy is not None and self._pool is not None
         self.lazy.done(self._inflight)
         self.lazy.note_step(allocated)
+        self.lazy.note_demand(demand)
         self._inflight = self.lazy.plan(self._pool)
         by_group: dict[tuple[bool, int], tuple[list[ChainHash], list[int]]] = {}
         for p in self._inflight:

@@ -2,11 +2,13 @@
 its memory (``offload.policy: lazy``; the design and its figures: docs/design/lazy-offload.md).
 
 An engine keeps finished requests' blocks in an LRU free queue, the head reused first. Each step
-the policy walks the *danger zone* at the head (the blocks the next steps will take: an EMA of
-allocations x ``horizon_steps`` + ``watermark_blocks``) and plans copies of the cached blocks
-there that lmkv lacks, nearest the head first, within a drain cap of link time. A step that
-takes more than the zone covered has the blocks it took copied before its forward writes them
-(rescues). A due block is skipped only where its class's need rate is below ``min_need_rate``
+the policy walks the *danger zone* at the head and plans copies of the cached blocks there that
+lmkv lacks, nearest the head first, within a drain cap of link time. Without a declared link the
+zone is just in time: the blocks the next step takes (what the engine knows of it, plus the
+largest share of new requests a step took lately), so a block is copied in the step before its
+memory is reused, not while a prefix hit may still revive it; its chain's earlier blocks, which
+the engine evicts after it, are copied when they come due. A step that takes more than the zone
+covered has the blocks it took copied before its forward writes them (rescues). A due block is skipped only where its class's need rate is below ``min_need_rate``
 at 95% confidence (:mod:`lmkv.offload.need`); under a declared link, the link's time goes to
 the due blocks most likely needed, and one-shot families wait.
 
@@ -18,9 +20,10 @@ Rules of this module:
    scheduler maps them to page keys.
 3. It never moves a block in the engine's free queue: a planned block is copied in the step that
    plans it, so no copy can store stale bytes and the engine evicts what it would without lmkv.
-4. Prefix closure: a block is copied only if every block before it in its chain is held or being
-   copied (an orphan page can never be hit); a block whose hash changed since it was noted is
-   never written.
+4. Prefix closure: a block is copied only if every block before it in its chain is held, being
+   copied, or (without a declared link) still in the engine and owed a copy when it comes due,
+   whatever the need estimate says then (an orphan page can never be hit); a block whose hash
+   changed since it was noted is never written.
 5. Only the zone is walked each step (O(depth), not O(blocks)), and only until the step's copies
    are planned.
 """
@@ -78,7 +81,8 @@ LOOKAHEAD_GAIN = 512.0
 #: link time, which that schedule counts on, goes to the blocks that come due meanwhile and to bursts.)
 NEED_WINDOW = 16
 
-#: how fast the remembered largest burst fades, per step (half-life ~230 steps)
+#: how fast the remembered largest burst (with a declared link: of allocations; without: of allocations
+#: beyond what was known of the step) fades, per step (half-life ~230 steps)
 BURST_DECAY = 0.997
 
 #: a drain cap not measured yet
@@ -181,6 +185,12 @@ class LazyOffload:
         self.estimating = cfg.min_need_rate > 0
         self._step = 0
         self._allocated = 0  # blocks the engine handed out this step
+        self._foreseen = 0  # blocks the next step is known to take (:meth:`note_demand`)
+        #: the most blocks a step took lately beyond what was known of it (new requests; fading)
+        self.unforeseen_burst = 0.0
+        #: ancestors left in the engine when a later block of their chain was copied: copied when they come
+        #: due whatever the need estimate says (an orphan page can never be hit)
+        self._owed: OrderedDict[EngineBlockKey, None] = OrderedDict()
         self._fresh: deque[EngineBlockKey] = deque(maxlen=cfg.chain_memory)  # computed blocks, oldest first
         self.stats = LazyStats()
 
@@ -224,11 +234,21 @@ class LazyOffload:
         if self.link_bound:
             self._fresh.extend(hashes)
 
+    def note_demand(self, blocks: int) -> None:
+        """The blocks the next step is known to take (told after :meth:`note_step`, before :meth:`plan`):
+        decodes that cross a page boundary, prefills' next chunks, requests looked up and not admitted
+        yet. New requests are not known before the step that looks them up: their share is measured
+        (:attr:`unforeseen_burst`)."""
+        self._foreseen = max(0, blocks)
+
     def note_step(self, blocks_allocated: int) -> None:
         self._step += 1
         self._allocated = blocks_allocated
         a = self.cfg.ema_alpha
         self.alloc_ema = (1 - a) * self.alloc_ema + a * blocks_allocated
+        unforeseen = max(0, blocks_allocated - self._foreseen)
+        self.unforeseen_burst = max(float(unforeseen), self.unforeseen_burst * BURST_DECAY)
+        self._foreseen = 0
         if self.link_bound:
             self.burst = max(float(blocks_allocated), self.burst * BURST_DECAY)
 
@@ -240,30 +260,68 @@ class LazyOffload:
         self.budget.bytes_per_step = max(self.budget.page_bytes, int(self.cfg.drain_link_share * bytes_per_s * step_s))
 
     def danger_depth(self) -> int:
-        return math.ceil(self.alloc_ema * self.cfg.horizon_steps) + self.cfg.watermark_blocks
+        """How far from the free queue's head the zone reaches (in queue positions: every free block,
+        cached or not, is one allocation away from reuse).
+
+        Without a declared link, just in time: the blocks the next step takes (what is known of it,
+        :meth:`note_demand`, plus the measured share of new requests), copied during this step's
+        forward; where one step's link time cannot copy them all (the drain cap), the steps after it
+        too, so the copies start as early as they must. A deeper zone copies blocks a prefix hit
+        revives before the engine reuses them. With a declared link, copies must start early: the
+        zone covers ``horizon_steps`` of allocations plus ``watermark_blocks``."""
+        if self.link_bound:
+            return math.ceil(self.alloc_ema * self.cfg.horizon_steps) + self.cfg.watermark_blocks
+        demand = self._foreseen + math.ceil(self.unforeseen_burst)
+        per_step = max(1, self.budget.bytes_per_step // self.budget.page_bytes)
+        steps = -(-demand // per_step)
+        return demand + max(0, steps - 1) * math.ceil(self.alloc_ema)
 
     # -- planning ----------------------------------------------------------------
 
     def _closure(self, h: EngineBlockKey, pool: FreeQueue, chosen: set[EngineBlockKey],
-                 gone: dict[EngineBlockKey, int] | None = None) -> list[Pick] | None:
-        """``h`` and its cached ancestors lmkv lacks, up to one a running request holds, oldest first;
-        None if the chain is broken. ``gone``: blocks handed out this step (hash -> block id), whose
-        bytes are still there until the step's forward: they are rescued."""
+                 gone: dict[EngineBlockKey, int] | None, walks: dict[EngineBlockKey, bool]) -> list[Pick] | None:
+        """``h`` and the ancestors lmkv lacks that are copied with it, oldest first; None if the chain is
+        broken (an ancestor is neither in the engine nor in lmkv). ``gone``: blocks handed out this step
+        (hash -> block id), whose bytes are still there until the step's forward: they are rescued.
+
+        With a declared link, every cached ancestor up to one a running request holds goes with ``h``
+        (the link may not reach it in time). Without one, only rescued ancestors do: an ancestor still in
+        the free queue waits behind ``h`` (the engine frees a chain's last block first) and is copied
+        when it comes due, owed a copy whatever the need estimate says then; copied now, a prefix hit
+        that revives it first makes the copy a waste. The walk still goes to the chain's start, to
+        know the chain whole. ``walks``: this step's verdicts on the blocks walked (True: the prefix up
+        to it is whole), where a later walk stops."""
+        defer = not self.link_bound
         out: list[Pick] = []
+        walked: list[EngineBlockKey] = []
+        owed: EngineBlockKey | None = None
         cur: EngineBlockKey | None = h
+        whole = True
         while cur is not None and not (self.in_tier(cur) or cur in self.inflight or cur in chosen):
             bid = pool.cached_block(cur)
-            if bid is not None:
-                if cur != h and pool.held(bid):
-                    break  # a running request holds it (and the pages before it): not at risk now
+            if bid is not None and cur != h and (defer or pool.held(bid)):
+                owed = owed or cur
+                if pool.held(bid):  # a running request holds it (and the pages before it): not at risk now
+                    break
+            elif bid is not None:
                 out.append(Pick(bid, cur))
             elif gone is not None and cur in gone:
                 out.append(Pick(gone[cur], cur, rescue=True))
             else:
-                return None  # an ancestor is neither in the engine nor in lmkv: unreachable
+                whole = False  # unreachable
+                break
+            if cur != h and cur in walks:  # (an earlier walk went on from here)
+                whole = walks[cur]
+                break
+            walked.append(cur)
             if cur not in self._parent:
                 break  # the chain's start (or a link we no longer remember: treat it as the start)
             cur = self._parent[cur]
+        walks.update(dict.fromkeys(walked, whole))
+        if not whole:
+            return None
+        if defer and owed is not None:
+            self._owe(owed)
         out.reverse()
         return out
 
@@ -293,8 +351,9 @@ class LazyOffload:
             return []  # a link slower than a page a step: this step's share is carried over
         picks: list[Pick] = []
         chosen: set[EngineBlockKey] = set()
+        walks: dict[EngineBlockKey, bool] = {}
         if not self.link_bound:  # (a declared link is busy: a copy before the forward would stall it)
-            self._add(picks, chosen, budget, pool, self._rescues(reused, pool), {h: b for b, h in reused})
+            self._add(picks, chosen, budget, pool, self._rescues(reused, pool), {h: b for b, h in reused}, walks)
         # With a declared link that has been binding, look further ahead: copies must start earlier to
         # finish in time. (Without one, the cap is a step's link time and never below what the step
         # took: looking ahead there copied blocks the engine revived, 1.2x the bytes of 8B pages.)
@@ -304,13 +363,14 @@ class LazyOffload:
             wanted = self._zone(pool, depth)
             if self.link_bound and self.estimating:
                 wanted = self._by_need(wanted, budget)
-            self._add(picks, chosen, budget, pool, wanted, None)
+            self._add(picks, chosen, budget, pool, wanted, None, walks)
         if self.link_bound:
             self._fill(pool, picks, chosen, budget)
         self._binding = 0.9 * self._binding + 0.1 * (len(picks) >= budget)
         self.budget.spend(len(picks))
         for p in picks:
             self.inflight[p.block_hash] = p.block_id
+            self._owed.pop(p.block_hash, None)
         self.stats.planned += len(picks)
         self.stats.rescued += sum(p.rescue for p in picks)
         return picks
@@ -330,6 +390,8 @@ class LazyOffload:
         that do are worth the link's time)."""
         if self.in_tier(h) or h in self.inflight:
             return False
+        if h in self._owed:
+            return True
         if self.link_bound:
             step = self._step
             return not self.reuse.one_shot(h, step) or (self.estimating and self.reuse.shown_needed(h, step))
@@ -338,13 +400,23 @@ class LazyOffload:
             return False
         return True
 
+    def _owe(self, h: EngineBlockKey) -> None:
+        """``h`` is left in the engine while a later block of its chain is copied: copy it when it comes
+        due (remembered for as many blocks as the chains are)."""
+        self._owed[h] = None
+        self._owed.move_to_end(h)
+        if len(self._owed) > self.cfg.chain_memory:
+            self._owed.popitem(last=False)
+
     def _add(self, picks: list[Pick], chosen: set[EngineBlockKey], budget: int, pool: FreeQueue,
-             wanted: Iterator[EngineBlockKey], gone: dict[EngineBlockKey, int] | None) -> None:
-        """Plan ``wanted`` blocks with their prefix closure, in order, until the budget is spent."""
+             wanted: Iterator[EngineBlockKey], gone: dict[EngineBlockKey, int] | None,
+             walks: dict[EngineBlockKey, bool]) -> None:
+        """Plan ``wanted`` blocks with their prefix closure (:meth:`_closure`), in order, until the budget
+        is spent."""
         for h in wanted:
             if h in chosen:
                 continue
-            chain = self._closure(h, pool, chosen, gone)
+            chain = self._closure(h, pool, chosen, gone, walks)
             if chain is None:
                 self.stats.unreachable += 1
                 continue

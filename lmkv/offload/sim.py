@@ -14,11 +14,15 @@ Policies (the same trace, each in its own run):
 - ``eager``: every block is queued for a copy when it is computed;
 - ``lazy``: :class:`lmkv.offload.lazy.LazyOffload` on the real free queue, told what the
   vLLM connector tells it (each step's full pages of each scheduled request, finished
-  chains, blocks allocated, the measured copy rate and step time; not the next step's
-  demand, which the connector does not know); every block it plans is written in that
-  step, as the workers copy it during (a rescue: before) the step's forward;
+  chains, blocks allocated, the measured copy rate and step time, and what the connector
+  knows of the next step's demand: decodes crossing a page boundary and the request looked
+  up and not admitted, not the requests that arrive meanwhile); every block it plans is
+  written in that step, as the workers copy it during (a rescue: before) the step's forward;
 - ``lmcache``: LMCache 0.5.6's eviction-aware store queue, driven as its connector drives
-  it (:mod:`lmkv.offload.peer`).
+  it (:mod:`lmkv.offload.peer`);
+- ``evict``: the copy-at-eviction bound: exactly the cached blocks vLLM evicts, each copied at
+  the moment it is evicted (no reuse guessing, an unlimited link). It keeps every hit eager
+  keeps, and it is the ceiling a lazy policy that does not predict reuse should reach.
 
 A copy budget per step (``d2h_bytes_per_step``) models the host link: a queued
 block evicted before its copy is *lost*. Figures per run: bytes written, tier-hit
@@ -151,6 +155,7 @@ class _Run:
                 rates = cfg.hindsight_rates
                 reuse.need_score = lambda h, step: rates.get(reuse.watch(h, step), 1.0)  # type: ignore[method-assign]
         self.peer = LMCacheStoreQueue(self.pool) if policy == "lmcache" else None
+        self.looked_up = 0  # blocks of the request the step looked up and did not admit
         self.scheduled = 0  # tokens this step computes (the peer's estimate of the next step's blocks)
         self.step_s: float | None = None  # the steps' time as the workers would report it (EMA, one step late)
         self.inflight: list[Pick] = []
@@ -176,6 +181,8 @@ class _Run:
                 self.handed_out[block.block_id] = h
                 self.evicted.add(h)
                 self.written_live.discard(h)
+                if policy == "evict" and h not in self.tier:
+                    self.write(h, evicted=True)
                 if h not in self.tier:
                     self.evicted_unwritten.add(h)
             return _orig(block)
@@ -201,10 +208,14 @@ class _Run:
         bs = self.cfg.block_size
         budget = self.cfg.step_tokens
         admitted: list = []
+        self.looked_up = 0
         while self.waiting and len(self.running) + len(admitted) < self.cfg.max_running:
             req = self.waiting[0]
             blocks, hbm_tokens, *_ = self.mgr.get_computed_blocks(req)
             n = req.num_tokens
+            # (if it is not admitted now, the next step takes its blocks first: known to the connector, which
+            # looked it up)
+            self.looked_up = -(-n // bs) - hbm_tokens // bs
             if n - hbm_tokens > budget and admitted:
                 break
             hashes = [self.key(h) for h in req.block_hashes[: (n - 1) // bs]]
@@ -225,6 +236,7 @@ class _Run:
                     self.finish_trace(req, step)
                 break
             self.waiting.popleft()
+            self.looked_up = 0
             budget -= n - hbm_tokens
             hit = tier_blocks * bs
             self.res.hit_tokens += hit
@@ -343,6 +355,10 @@ class _Run:
             self.lazy.done(self.inflight)  # (made last step: the pages are in the tier)
             self.lazy.note_step(self.allocated)
             self.allocated = 0
+            # What the connector knows of the next step: a decode crossing a page boundary takes a block,
+            # a request looked up and not admitted takes its prompt's (prefills here run in one step).
+            bs = self.cfg.block_size
+            self.lazy.note_demand(sum(r.num_computed_tokens % bs == 0 for r in self.running) + self.looked_up)
             if self.step_s is not None:  # what the workers reported of the last step
                 self.lazy.observe_copies(self.cfg.copy_bytes_per_s, self.step_s)
             self.step_s = ema(self.step_s, max(self.cfg.step_s, self.scheduled * self.cfg.token_s))
@@ -377,8 +393,8 @@ class _Run:
 
 
 def simulate(trace: list[TraceRequest], cfg: SimConfig, policy: str) -> SimResult:
-    """Replay ``trace`` under ``policy`` (``none``, ``eager``, ``lazy`` or ``lmcache``)."""
-    if policy not in ("none", "eager", "lazy", "lmcache"):
+    """Replay ``trace`` under ``policy`` (``none``, ``eager``, ``lazy``, ``lmcache`` or ``evict``)."""
+    if policy not in ("none", "eager", "lazy", "lmcache", "evict"):
         raise ValueError(f"unknown policy {policy!r}")
     return _Run(trace, cfg, policy).run()
 
