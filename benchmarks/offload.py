@@ -12,7 +12,12 @@ Two trace families, each summed over its runs (seeds x budgets):
   40 ms of trace a step, outputs capped at 32 tokens). Nothing in the policy was chosen on it.
 
 Per family: ``bytes_vs_oracle`` (lazy's bytes; the oracle's: every block that was evicted and
-asked for again, written once), ``hit_tokens`` (tier-hit tokens; eager's), ``engine_hit_tokens``
+asked for again, written once), ``bytes_vs_eviction`` (lazy's bytes; the copy-at-eviction bound's:
+exactly the cached blocks vLLM evicts, each copied as it is evicted, with no reuse guessing and an
+unlimited link, the ceiling for a lazy policy that does not predict reuse), ``eviction_bytes_vs_oracle``
+and ``eviction_hit_tokens`` (that bound against the oracle and eager), ``wasted_writes`` (pages lazy
+copied that a prefix hit then served from vLLM's own cache; its writes), ``rescued_pages`` (pages
+copied before a step's forward, on its critical path; its writes), ``hit_tokens`` (tier-hit tokens; eager's), ``engine_hit_tokens``
 (vLLM's own prefix-cache hits; the run without offload: what offloading costs the engine's
 cache), ``lmcache_*`` (LMCache 0.5.6's eviction-aware store queue in the same runs, driven as
 its connector drives it: :mod:`lmkv.offload.peer`), ``bytes_vs_lmcache``; ``bw.*`` under a
@@ -160,7 +165,7 @@ def _run(task: Task) -> Outcome:
     ws = distinct_blocks(trace, 32)
     blocks = max(256, int(ws / task.factor))
     cfg = SimConfig(num_blocks=blocks, page_bytes=SMALL[0], token_s=SMALL[1])
-    runs = {p: simulate(trace, cfg, p) for p in ("none", "eager", "lazy")}
+    runs = {p: simulate(trace, cfg, p) for p in ("none", "eager", "evict", "lazy")}
     runs["lazy8b"] = simulate(trace, SimConfig(num_blocks=blocks, page_bytes=EIGHT_B[0], token_s=EIGHT_B[1]), "lazy")
     bw = SimConfig(num_blocks=blocks, d2h_bytes_per_step=_half_eager_link(runs["eager"], cfg.page_bytes))
     runs["bw_eager"], runs["bw_lazy"] = simulate(trace, bw, "eager"), simulate(trace, bw, "lazy")
@@ -197,9 +202,20 @@ def _family(report: Report, name: str, outcomes: list[Outcome], peer: bool) -> N
         report.add(f"{name}.{metric}", value, unit, baseline or None, what)
 
     peer_what = "LMCache 0.5.6's eviction-aware store queue"
+    bound = "the copy-at-eviction bound (exactly the blocks vLLM evicts, copied as it evicts them)"
+    add("eviction_bytes_vs_oracle", _sum(outcomes, "evict.writes") * page, "bytes", oracle,
+        f"offline oracle, {runs}; value: {bound}")
+    add("eviction_hit_tokens", _sum(outcomes, "evict.hit_tokens"), "tokens", _sum(outcomes, "eager.hit_tokens"),
+        f"eager, {runs}; value: {bound}")
     for prefix, lazy, pb, shape in (("", "lazy", page, ""), ("8b.", "lazy8b", big, " (4 MiB pages)")):
         add(f"{prefix}bytes_vs_oracle", _sum(outcomes, f"{lazy}.writes") * pb, "bytes", _sum(outcomes, "oracle") * pb,
             f"offline oracle, {runs}{shape}")
+        add(f"{prefix}bytes_vs_eviction", _sum(outcomes, f"{lazy}.writes") * pb, "bytes",
+            _sum(outcomes, "evict.writes") * pb, f"{bound}, {runs}{shape}")
+        add(f"{prefix}wasted_writes", _sum(outcomes, f"{lazy}.wasted_writes"), "pages", _sum(outcomes, f"{lazy}.writes"),
+            f"pages lazy copied, {runs}{shape}; value: those a prefix hit then served from vLLM's own cache")
+        add(f"{prefix}rescued_pages", _sum(outcomes, f"{lazy}.rescues"), "pages", _sum(outcomes, f"{lazy}.writes"),
+            f"pages lazy copied, {runs}{shape}; value: those copied before a step's forward (blocks it took)")
         add(f"{prefix}bytes_written", _sum(outcomes, f"{lazy}.writes") * pb, "bytes",
             _sum(outcomes, "eager.writes") * pb, f"eager write-through, {runs}{shape}")
         add(f"{prefix}hit_tokens", _sum(outcomes, f"{lazy}.hit_tokens"), "tokens", _sum(outcomes, "eager.hit_tokens"),

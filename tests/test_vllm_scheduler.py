@@ -471,6 +471,31 @@ def test_lazy_offload_copies_blocks_as_the_engine_is_about_to_reuse_them(model_c
         h.close()
 
 
+def test_lazy_offload_is_told_what_the_next_step_takes(model_config):
+    """vLLM's real scheduler, 64-token chunks, 11 usable blocks: the connector tells the policy the blocks
+    the next step takes as far as it knows (a prefill's next chunk, a decode crossing a page boundary, a
+    request it looked up that did not fit), and the zone reaches that far."""
+    h = Harness(model_config, {"memory": {"capacity": "64MiB"}, "offload": {"policy": "lazy"}}, num_blocks=12)
+    try:
+        lazy = h.sched.connector.scheduler.lazy
+        h.sched.add_request(h.request("a", tokens(150, 1), max_tokens=14))
+        h.sched.add_request(h.request("b", tokens(40, 2), max_tokens=2))  # 3 blocks: no room while a runs
+        told, took = [], []
+        for _ in range(6):
+            h.step()
+            told.append(lazy.foreseen)
+            took.append(lazy._allocated)
+        # a's chunks take 4, 4 and 2 blocks; after its last chunk b is looked up and does not fit
+        assert took[:3] == [4, 4, 2] and told[:2] == [4, 2] and told[2] == 0 + 3
+        assert "b" in h.sched.requests and h.sched.requests["b"].num_computed_tokens == 0
+        while h.sched.requests["a"].num_computed_tokens < 159:
+            h.step()
+        h.step()  # a's next token is at position 160: a new page
+        assert lazy.foreseen == 1 + 3 and lazy.danger_depth() >= lazy.foreseen
+    finally:
+        h.close()
+
+
 def test_lazy_offload_stores_nothing_the_engine_keeps(model_config):
     """Three prompts asked twice fit the engine's cache: eager copies every page, lazy none
     (every one of eager's copies was wasted: the engine served the repeats itself)."""

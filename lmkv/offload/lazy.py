@@ -185,7 +185,7 @@ class LazyOffload:
         self.estimating = cfg.min_need_rate > 0
         self._step = 0
         self._allocated = 0  # blocks the engine handed out this step
-        self._foreseen = 0  # blocks the next step is known to take (:meth:`note_demand`)
+        self.foreseen = 0  # blocks the next step is known to take (:meth:`note_demand`)
         #: the most blocks a step took lately beyond what was known of it (new requests; fading)
         self.unforeseen_burst = 0.0
         #: ancestors left in the engine when a later block of their chain was copied: copied when they come
@@ -239,16 +239,16 @@ class LazyOffload:
         decodes that cross a page boundary, prefills' next chunks, requests looked up and not admitted
         yet. New requests are not known before the step that looks them up: their share is measured
         (:attr:`unforeseen_burst`)."""
-        self._foreseen = max(0, blocks)
+        self.foreseen = max(0, blocks)
 
     def note_step(self, blocks_allocated: int) -> None:
         self._step += 1
         self._allocated = blocks_allocated
         a = self.cfg.ema_alpha
         self.alloc_ema = (1 - a) * self.alloc_ema + a * blocks_allocated
-        unforeseen = max(0, blocks_allocated - self._foreseen)
+        unforeseen = max(0, blocks_allocated - self.foreseen)
         self.unforeseen_burst = max(float(unforeseen), self.unforeseen_burst * BURST_DECAY)
-        self._foreseen = 0
+        self.foreseen = 0
         if self.link_bound:
             self.burst = max(float(blocks_allocated), self.burst * BURST_DECAY)
 
@@ -271,7 +271,7 @@ class LazyOffload:
         zone covers ``horizon_steps`` of allocations plus ``watermark_blocks``."""
         if self.link_bound:
             return math.ceil(self.alloc_ema * self.cfg.horizon_steps) + self.cfg.watermark_blocks
-        demand = self._foreseen + math.ceil(self.unforeseen_burst)
+        demand = self.foreseen + math.ceil(self.unforeseen_burst)
         per_step = max(1, self.budget.bytes_per_step // self.budget.page_bytes)
         steps = -(-demand // per_step)
         return demand + max(0, steps - 1) * math.ceil(self.alloc_ema)
