@@ -17,10 +17,11 @@ exactly the cached blocks vLLM evicts, each copied as it is evicted, with no reu
 unlimited link, the ceiling for a lazy policy that does not predict reuse), ``eviction_bytes_vs_oracle``
 and ``eviction_hit_tokens`` (that bound against the oracle and eager), ``wasted_writes`` (pages lazy
 copied that a prefix hit then served from vLLM's own cache; its writes), ``rescued_pages`` (pages
-copied before a step's forward, on its critical path; its writes), ``hit_tokens`` (tier-hit tokens; eager's), ``engine_hit_tokens``
-(vLLM's own prefix-cache hits; the run without offload: what offloading costs the engine's
-cache), ``lmcache_*`` (LMCache 0.5.6's eviction-aware store queue in the same runs, driven as
-its connector drives it: :mod:`lmkv.offload.peer`), ``bytes_vs_lmcache``; ``bw.*`` under a
+copied before a step's forward, on its critical path; its writes), ``hit_tokens`` (tier-hit
+tokens; eager's), ``engine_hit_tokens`` (vLLM's own prefix-cache hits; the run without offload:
+what offloading costs the engine's cache), ``lmcache_*`` (LMCache 0.5.6's eviction-aware store
+queue in the same runs, driven as its connector drives it: :mod:`lmkv.offload.peer`),
+``bytes_vs_lmcache``; ``bw.*`` under a
 declared copy link at half of eager's mean write rate (eager falls behind and loses blocks;
 lazy keeps the link busy); ``worst.*``: the seed with the fewest tier hits against eager's
 (and the one with the most bytes); ``8b.*``: the same runs with 8B-shaped pages (4 MiB per
@@ -212,7 +213,8 @@ def _family(report: Report, name: str, outcomes: list[Outcome], peer: bool) -> N
             f"offline oracle, {runs}{shape}")
         add(f"{prefix}bytes_vs_eviction", _sum(outcomes, f"{lazy}.writes") * pb, "bytes",
             _sum(outcomes, "evict.writes") * pb, f"{bound}, {runs}{shape}")
-        add(f"{prefix}wasted_writes", _sum(outcomes, f"{lazy}.wasted_writes"), "pages", _sum(outcomes, f"{lazy}.writes"),
+        add(f"{prefix}wasted_writes", _sum(outcomes, f"{lazy}.wasted_writes"), "pages",
+            _sum(outcomes, f"{lazy}.writes"),
             f"pages lazy copied, {runs}{shape}; value: those a prefix hit then served from vLLM's own cache")
         add(f"{prefix}rescued_pages", _sum(outcomes, f"{lazy}.rescues"), "pages", _sum(outcomes, f"{lazy}.writes"),
             f"pages lazy copied, {runs}{shape}; value: those copied before a step's forward (blocks it took)")

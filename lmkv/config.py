@@ -129,7 +129,8 @@ class OffloadConfig(_Section):
         4.0, gt=0, description="lazy, with link_bytes_per_step: steps of allocations the danger zone covers (without a "
         "declared link the zone is the next step's known demand plus the largest share of new requests lately)")
     ema_alpha: float = Field(0.2, gt=0, le=1, description="lazy: weight of the last step in the allocation rate")
-    watermark_blocks: int = Field(16, ge=0, description="lazy, with link_bytes_per_step: blocks always in the danger zone")
+    watermark_blocks: int = Field(
+        16, ge=0, description="lazy, with link_bytes_per_step: blocks always in the danger zone")
     drain_link_share: float = Field(
         0.5, gt=0, le=1, description="lazy: the share of a step's time the copies planned in it may take on the "
         "copy link (the workers' measured copy rate x the forward's measured time: the same link time whatever "

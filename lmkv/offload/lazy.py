@@ -8,9 +8,10 @@ zone is just in time: the blocks the next step takes (what the engine knows of i
 largest share of new requests a step took lately), so a block is copied in the step before its
 memory is reused, not while a prefix hit may still revive it; its chain's earlier blocks, which
 the engine evicts after it, are copied when they come due. A step that takes more than the zone
-covered has the blocks it took copied before its forward writes them (rescues). A due block is skipped only where its class's need rate is below ``min_need_rate``
-at 95% confidence (:mod:`lmkv.offload.need`); under a declared link, the link's time goes to
-the due blocks most likely needed, and one-shot families wait.
+covered has the blocks it took copied before its forward writes them (rescues). A due block is
+skipped only where its class's need rate is below ``min_need_rate`` at 95% confidence
+(:mod:`lmkv.offload.need`); under a declared link, the link's time goes to the due blocks most
+likely needed, and one-shot families wait.
 
 Rules of this module:
 
@@ -391,6 +392,8 @@ class LazyOffload:
         if self.in_tier(h) or h in self.inflight:
             return False
         if h in self._owed:
+            if self.estimating:
+                self.reuse.watch(h, self._step)  # (copied whatever its class: its outcome teaches the estimate too)
             return True
         if self.link_bound:
             step = self._step
