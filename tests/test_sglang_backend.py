@@ -331,6 +331,45 @@ def test_remote_backend_down_is_a_miss(tmp_path):
     b.close()
 
 
+def test_pages_through_the_mooncake_tier_verified_and_a_damaged_one_is_a_miss(tmp_path):
+    """The backend over a real ``mooncake_master`` (no disk): SGLang's pages written through to Mooncake
+    come back byte for byte once memory has dropped them; a page damaged in Mooncake is a miss from
+    there (SGLang recomputes it and the pages after it)."""
+    pytest.importorskip("mooncake.store")
+    from lmkv.dev.mooncake_master import start_master
+
+    host = mha_host("page_first_direct")
+    fill_random(host, seed=11)
+    ref = [host.get_data_page(p * P).clone() for p in range(3)]
+    with start_master() as m:
+        remote = {"url": m.url, "timeout": 5.0, "mooncake": {"segment_size": 64 << 20, "local_buffer_size": 16 << 20,
+                                                             "staging_size": 8 << 20}}
+        b = attach(backend(tmp_path, disk=False, memory="8MiB", remote=remote), kv=host)
+        keys = page_hashes(3)
+        assert b.batch_set_v1(keys, torch.arange(0, 3 * P)) == [True] * 3
+        store = inner(b).store
+        store.drain()
+        store.memory.delete(store.memory.keys())
+        assert store.lookup(inner(b).keys_for("kv", keys)).tiers == ("mooncake",) * 3
+        zero(host)
+        assert b.batch_exists(keys) == 3
+        assert b.batch_get_v1(keys, torch.arange(0, 3 * P)) == [True] * 3
+        assert all(torch.equal(host.get_data_page(p * P), ref[p]) for p in range(3))
+        store.memory.delete(store.memory.keys())
+        tier = store.tiers[-1]
+        victim = tier._name(inner(b).keys_for("kv", keys[1:2])[0])
+        raw, staging = tier._client(), tier._staging
+        size = raw.get_size(victim)
+        assert raw.batch_get_into([victim], [staging.ctypes.data], [size]) == [size]
+        staging[size - 1] ^= 0xFF  # the payload's last byte
+        assert raw.batch_remove([victim], True) == [0]
+        assert raw.batch_put_from([victim], [staging.ctypes.data], [size]) == [0]
+        zero(host)
+        assert b.batch_get_v1(keys, torch.arange(0, 3 * P)) == [True, False, True]  # SGLang stops at page 1
+        assert torch.equal(host.get_data_page(0), ref[0])
+        b.close()
+
+
 def test_bad_config_is_a_clear_error(tmp_path):
     from lmkv.config import ConfigError
 
