@@ -265,6 +265,63 @@ def test_a_same_host_server_stalled_mid_load_changes_no_page_the_engine_is_serve
             assert loaded(e) - before == 40
 
 
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_mooncake_master_lost_as_a_load_goes_out_is_a_recompute_with_identical_tokens(model, monkeypatch, fault):
+    """A prompt's pages live only in Mooncake (a storage client holds them); the master is killed
+    (SIGKILL) or stopped (SIGSTOP) just as the engine's load of them goes out. The load fails within
+    ``remote.timeout``, exactly those blocks are recomputed and the tokens are a cold run's; the engine
+    goes on serving with the master gone."""
+    pytest.importorskip("mooncake.store")
+    import signal
+    import time
+
+    from conftest import MOONCAKE_SMALL
+
+    from lmkv.dev.mooncake_master import start_master, start_storage
+    from lmkv.engine.stores import live_stores
+    from lmkv.tiers.mooncake import MooncakeTier
+
+    a, b = prompt(650, seed=51), prompt(650, seed=52)
+    with start_master() as m, start_storage(m, 256 << 20):
+        cfg = {"memory": {"capacity": "4MiB"}, "quarantine_seconds": 0,
+               "remote": {"url": m.url, "timeout": 1.0, "connect_timeout": 0.5, "mooncake": MOONCAKE_SMALL}}
+        with engine(model, lmkv=cfg) as e:
+            (store,) = live_stores().values()
+            expected = cold(e, [a, b], tag=f"mooncake-{fault}")
+            generate(e, [a])
+            for i in range(3):  # a's pages leave memory: Mooncake alone holds them
+                generate(e, [prompt(650, seed=60 + i)])
+            store.drain()
+            assert e.reset_prefix_cache()
+            real_read = MooncakeTier._read
+            lost: list[float] = []
+
+            def read(self, *args, **kw):
+                if not lost:
+                    lost.append(time.monotonic())
+                    m.signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                    if fault == "kill":
+                        m.proc.wait()
+                    else:
+                        while "T (stopped)" not in open(f"/proc/{m.proc.pid}/status").read():
+                            time.sleep(0.001)
+                return real_read(self, *args, **kw)
+
+            monkeypatch.setattr(MooncakeTier, "_read", read)
+            try:
+                before = lmkv_stats(e)["transfers"]
+                assert generate(e, [a]) == expected[:1]  # its load fails: recomputed
+                after = lmkv_stats(e)["transfers"]
+                assert lost and after["failed_pages"] > before["failed_pages"]
+                assert after["recomputed_tokens"] > before["recomputed_tokens"]
+                t0 = time.monotonic()
+                assert generate(e, [b]) == expected[1:]  # served with the master gone
+                assert time.monotonic() - t0 < 30
+            finally:
+                if fault == "stop":
+                    m.signal(signal.SIGCONT)
+
+
 def _kv_layout():
     """The page layout lmkv uses for the one KV cache group of the engine in this process."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -191,27 +191,45 @@ class MooncakeTier(RemoteTier):
 
     def _fetch(self, client, names: list[str], at: int, hdr: int, want: list[tuple[int, int]], per_page: int,
                whole: bool) -> list[bool]:
-        """One Mooncake call: each object (or its header and ranges) into staging from ``at``, page
-        after page; per page, whether all of it came."""
+        """One Mooncake read: each object (or its header and ranges) into staging from ``at``, page
+        after page; per page, whether all of it came.
+
+        Ranges go through a get session: its start asks the master where the objects are (one round
+        trip), the ranged read then moves bytes from those replicas without the master. (Mooncake
+        0.3.13's ``get_into_ranges`` crashes the process when its own query of the master fails, as
+        when the master dies during the call; a session whose start fails is a miss.)"""
         base = self._staging.ctypes.data + at
         if whole:
             got = client.batch_get_into(names, [base + i * per_page for i in range(len(names))],
                                         [per_page] * len(names))
             return [g == per_page for g in got]
-        dst, src, sizes = [], [], []
-        for i in range(len(names)):
-            d, s_, z, pos = [i * per_page], [0], [hdr], i * per_page + hdr
-            for a, b in want:
-                d.append(pos)
-                s_.append(hdr + a)
-                z.append(b - a)
-                pos += b - a
-            dst.append([d])
-            src.append([s_])
-            sizes.append([z])
-        got = client.get_into_ranges([base] * len(names), [[n] for n in names], dst, src, sizes)
-        return [all(x >= 0 for frag in g for x in frag) and sum(x for frag in g for x in frag) == per_page
-                for g in got]
+        started = client.batch_get_session_start(names)
+        try:
+            if started and all(rc <= RPC_FAILED for rc in started):
+                raise TierUnavailableError(f"{self.name}: master {self.master} unreachable ({started[0]})")
+            live = [i for i, rc in enumerate(started) if rc >= 0]
+            ok = [False] * len(names)
+            if not live:
+                return ok
+            ptrs, sizes, srcs = [], [], []
+            for i in live:
+                pos = base + i * per_page
+                p, z, s_ = [pos], [hdr], [0]
+                pos += hdr
+                for a, b in want:
+                    p.append(pos)
+                    z.append(b - a)
+                    s_.append(hdr + a)
+                    pos += b - a
+                ptrs.append(p)
+                sizes.append(z)
+                srcs.append(s_)
+            got = client.batch_get_into_multi_buffer_ranges([names[i] for i in live], ptrs, sizes, srcs)
+            for i, g in zip(live, got):
+                ok[i] = g == per_page
+            return ok
+        finally:
+            client.batch_get_session_end(names)
 
     def _land(self, moving: Future, r: range, at: int, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               hdr: int, want: list[tuple[int, int]], per_page: int, units: list[int]) -> list:
