@@ -15,11 +15,12 @@ fails on prompts longer than ``max_num_batched_tokens``):
   last page boundary) beside the same prompt cold, in turns; pages stored vs loaded;
 - cold TTFT with lmkv storing vs no connector;
 - remote hits, layer by layer (docs/design/layerwise.md): the same prompt's hit served by the
-  lmkv server over TCP and over TLS, by Redis, and by the disk tier with its files out of
-  the OS page cache (``disk_cold``), each in its own engine, in turns with that engine's
-  floor and with the same hit loaded whole (``load_mode: async``: the request waits for
-  its pages, then runs); lmkv's memory is emptied before every hit. ``--quick`` runs the
-  server over TCP and the cold disk only;
+  lmkv server over TCP and over TLS, by Redis, by Mooncake Store (a master and a storage
+  client on loopback, where ``lmkv[mooncake]`` is installed) and by the disk tier with its
+  files out of the OS page cache (``disk_cold``), each in its own engine, in turns with that
+  engine's floor and with the same hit loaded whole (``load_mode: async``: the request waits
+  for its pages, then runs); lmkv's memory is emptied before every hit. ``--quick`` runs the
+  server over TCP, Mooncake and the cold disk only;
 - a working set larger than the KV budget: documents asked round-robin, each time with a
   new question, no connector (prefix caching on) vs lmkv vs ExampleConnector, each in a
   fresh engine, and lmkv with a small memory over the lmkv server (``workload.remote``).
@@ -35,6 +36,7 @@ TTFT is the wall time of a one-token generation; hit figures are medians of repe
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -45,6 +47,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import ByteSize, TypeAdapter
 
 from lmkv.benchmarks.report import Report
 from lmkv.dev.local_engine import close, prepare_env, scheduler_connector
@@ -198,6 +202,12 @@ def _remote_tiers(root: Path, quick: bool, server_memory: str):
                                               "shm": "never"}}
             redis = stack.enter_context(start_redis())
             tiers["redis"] = {"remote": {"url": redis.url}}
+        if importlib.util.find_spec("mooncake") is not None:  # (lmkv[mooncake])
+            from lmkv.dev.mooncake_master import start_master, start_storage
+
+            master = stack.enter_context(start_master())
+            stack.enter_context(start_storage(master, TypeAdapter(ByteSize).validate_python(server_memory)))
+            tiers["mooncake"] = {"remote": {"url": master.url, "mooncake": {"segment_size": 0}}}
         tiers["disk_cold"] = {"disk": {"path": str(root / "disk-cold")}}
         yield tiers, tcp.url
 
