@@ -152,6 +152,11 @@ def test_a_lost_primary_costs_only_its_own_slots(cluster, tier, layout, caplog, 
     assert not all(victims)  # the victim's pages did miss meanwhile ...
     assert all(load.reads[-1][1]), f"still missing {back:.1f} s after the {fault}"  # ... and are back
     assert load.slowest < 5
+    # the recovery is logged by the node's reconnect loop, whose next ping (backing off up to 5 s) may
+    # come after its slots are served again
+    deadline = time.monotonic() + 15
+    while _outage_logs(caplog, victim)[1] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _outage_logs(caplog, victim) == (1, 1, 0)
     # what the writer was told is stored is there; pages for the dead node were reported unreachable
     got = tier.get([k for k, _ in load.written], layout,
