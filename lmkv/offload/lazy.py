@@ -405,7 +405,7 @@ class LazyOffload:
 
     def _owe(self, h: EngineBlockKey) -> None:
         """``h`` is left in the engine while a later block of its chain is copied: copy it when it comes
-        due (remembered for as many blocks as the chains are)."""
+        due (the last ``chain_memory`` such blocks are remembered, as the chains' links are)."""
         self._owed[h] = None
         self._owed.move_to_end(h)
         if len(self._owed) > self.cfg.chain_memory:
