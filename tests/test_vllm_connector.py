@@ -265,12 +265,12 @@ def test_a_same_host_server_stalled_mid_load_changes_no_page_the_engine_is_serve
             assert loaded(e) - before == 40
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
+@pytest.mark.parametrize("fault", ["kill", "stop", "remove"])
 def test_a_mooncake_master_lost_as_a_load_goes_out_is_a_recompute_with_identical_tokens(model, monkeypatch, fault):
-    """A prompt's pages live only in Mooncake (a storage client holds them); the master is killed
-    (SIGKILL) or stopped (SIGSTOP) just as the engine's load of them goes out. The load fails within
-    ``remote.timeout``, exactly those blocks are recomputed and the tokens are a cold run's; the engine
-    goes on serving with the master gone."""
+    """A prompt's pages live only in Mooncake (a storage client holds them); just as the engine's load of
+    them goes out the master is killed (SIGKILL) or stopped (SIGSTOP), or one page's object is removed.
+    The load fails within ``remote.timeout``, the blocks from the first missing page on are recomputed
+    and the tokens are a cold run's; the engine goes on serving."""
     pytest.importorskip("mooncake.store")
     import signal
     import time
@@ -296,16 +296,19 @@ def test_a_mooncake_master_lost_as_a_load_goes_out_is_a_recompute_with_identical
             real_read = MooncakeTier._read
             lost: list[float] = []
 
-            def read(self, *args, **kw):
+            def read(self, keys, *args, **kw):
                 if not lost:
                     lost.append(time.monotonic())
-                    m.signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-                    if fault == "kill":
+                    if fault == "remove":
+                        assert self._client().batch_remove([self._name(keys[len(keys) // 2])], True) == [0]
+                    elif fault == "kill":
+                        m.signal(signal.SIGKILL)
                         m.proc.wait()
                     else:
+                        m.signal(signal.SIGSTOP)
                         while "T (stopped)" not in open(f"/proc/{m.proc.pid}/status").read():
                             time.sleep(0.001)
-                return real_read(self, *args, **kw)
+                return real_read(self, keys, *args, **kw)
 
             monkeypatch.setattr(MooncakeTier, "_read", read)
             try:
@@ -315,7 +318,7 @@ def test_a_mooncake_master_lost_as_a_load_goes_out_is_a_recompute_with_identical
                 assert lost and after["failed_pages"] > before["failed_pages"]
                 assert after["recomputed_tokens"] > before["recomputed_tokens"]
                 t0 = time.monotonic()
-                assert generate(e, [b]) == expected[1:]  # served with the master gone
+                assert generate(e, [b]) == expected[1:]  # served (with the master gone, but for "remove")
                 assert time.monotonic() - t0 < 30
             finally:
                 if fault == "stop":
