@@ -127,6 +127,45 @@ def test_a_stalled_master_costs_one_timeout_then_fails_fast(layout):
         t.close()
 
 
+def test_an_expired_lease_is_a_miss_not_an_outage():
+    """Mooncake lends an object to a reader for ``default_kv_lease_ttl``; a read that outlives the lease is
+    refused (-707, LEASE_EXPIRED: engines on other connectors died of it, Mooncake #3076). With a 1 ms
+    lease, whole reads of 2 MiB pages and a ranged read that starts 10 ms after its session are misses;
+    nothing raises, the tier stays up."""
+    from lmkv.dev.mooncake_master import start_storage
+    from lmkv.layout import attention_layout
+
+    big = attention_layout("attn", num_layers=16, tokens_per_page=32, num_kv_heads=8, head_size=128,
+                           dtype_bytes=2, dtype="bfloat16")  # 2 MiB pages
+    with start_master(flags=["--default_kv_lease_ttl=1"]) as m, start_storage(m, 64 << 20):
+        # (the pages live in the storage client's segment: a reader's own replica is read without a lease)
+        t = MooncakeTier(RemoteConfig(url=m.url, timeout=5.0, mooncake={
+            "segment_size": 0, "local_buffer_size": 16 << 20, "staging_size": 16 << 20}))
+        keys, _, pages = make_pages(big, 3, seed=9)
+        assert t.put(pages, "engine") == [True] * 3
+        assert t.contains(keys) == [True] * 3
+        found, _ = _read(t, big, keys)
+        assert found == [False] * 3
+        client = t._client()
+
+        class Slow:
+            """The client, reading a session's ranges only after the lease of its start ran out."""
+
+            def __getattr__(self, name):
+                return getattr(client, name)
+
+            def batch_get_into_multi_buffer_ranges(self, *args):
+                time.sleep(0.01)
+                return client.batch_get_into_multi_buffer_ranges(*args)
+
+        t._store = Slow()
+        outs = [np.zeros(big.payload_bytes, np.uint8) for _ in keys]
+        assert t.get_ranges(keys, big, [big.layer_range(0)], outs) == [None] * 3
+        assert t.health.up and t.contains(keys) == [True] * 3
+        t._store = client
+        t.close()
+
+
 WRITER = textwrap.dedent("""
     import sys, numpy as np
     sys.path.insert(0, "tests")
