@@ -479,8 +479,9 @@ class OffloadScheduler:
             plan.pulls.extend(waiting.pending_pulls)
             waiting.pending_pulls = []
         planned: set[PageKey] = set()  # two requests completing the same page in one step store it once
-        allocated = 0  # blocks the engine handed out this step
-        demand = 0  # blocks the engine will hand out next step, as far as is known now (lazy offload)
+        lazy = self.lazy_active
+        allocated = 0  # lazy offload: blocks the engine handed out this step
+        demand = 0  # lazy offload: blocks the engine will hand out next step, as far as is known now
         for s in scheduled:
             st = self.requests.get(s.req_id)
             if st is None:
@@ -490,13 +491,13 @@ class OffloadScheduler:
             self._released_next.extend(st.pins)
             st.pins = []
             full = min(s.computed_after_step, len(s.tokens)) // self.tpp
-            allocated += _pages(s.computed_after_step, self.tpp) - _pages(st.computed, self.tpp)
-            demand += _next_pages(s.computed_after_step, st.computed, len(s.tokens), self.tpp)
+            if lazy:
+                allocated += _pages(s.computed_after_step, self.tpp) - _pages(st.computed, self.tpp)
+                demand += _next_pages(s.computed_after_step, st.computed, len(s.tokens), self.tpp)
             st.computed = s.computed_after_step
             if full > st.seen:
                 st.seen = full
                 st.seq.extend(s.tokens, full)
-                lazy = self.lazy_active
                 if lazy:
                     self._remember(st, s.block_hashes, full)
                 blocks = block_ids_of(s.req_id)
@@ -519,7 +520,7 @@ class OffloadScheduler:
                             if op is not None:
                                 plan.stores.append(op)
                 st.stored_upto = max(st.stored_upto, full if lazy else upto)
-        if self.lazy_active:
+        if lazy:
             ran = {s.req_id for s in scheduled}
             demand += sum(n for r, n in self._asked.items() if r not in ran)  # looked up, not admitted
             self._lazy_stores(max(0, allocated), demand, plan)

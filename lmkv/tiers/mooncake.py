@@ -205,8 +205,7 @@ class MooncakeTier(RemoteTier):
             return [g == per_page for g in got]
         started = client.batch_get_session_start(names)
         try:
-            if started and all(rc <= RPC_FAILED for rc in started):
-                raise TierUnavailableError(f"{self.name}: master {self.master} unreachable ({started[0]})")
+            self._reachable(started)
             live = [i for i, rc in enumerate(started) if rc >= 0]
             ok = [False] * len(names)
             if not live:
@@ -230,6 +229,11 @@ class MooncakeTier(RemoteTier):
             return ok
         finally:
             client.batch_get_session_end(names)
+
+    def _reachable(self, rcs: Sequence[int]) -> None:
+        """A batch call's return codes: every one an RPC failure is the master's outage, not misses."""
+        if rcs and all(rc <= RPC_FAILED for rc in rcs):
+            raise TierUnavailableError(f"{self.name}: master {self.master} unreachable ({rcs[0]})")
 
     def _land(self, moving: Future, r: range, at: int, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               hdr: int, want: list[tuple[int, int]], per_page: int, units: list[int]) -> list:
@@ -273,8 +277,7 @@ class MooncakeTier(RemoteTier):
                     ptrs.append(base + at)
                     at += sizes[i]
                 rcs = self._run(lambda c, n=names, p=ptrs, z=[sizes[i] for i in r]: c.batch_put_from(n, p, z))
-                if rcs and all(rc <= RPC_FAILED for rc in rcs):
-                    raise TierUnavailableError(f"{self.name}: master {self.master} unreachable ({rcs[0]})")
+                self._reachable(rcs)
                 for rc in rcs:
                     if rc != 0 and rc != -705:  # (-705: the object is there already)
                         self.stats.full += 1
