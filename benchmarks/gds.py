@@ -74,8 +74,8 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
 def _one_size(report: Report, label: str, lay: GroupLayout, n: int, rounds: int, root: Path, io) -> None:
     import torch
 
-    from lmkv.cuda import BlockShape, block_copy
-    from lmkv.cuda.digests import headers_on_device
+    from lmkv.kernels import BlockShape, block_copy
+    from lmkv.kernels.digests import headers_on_device
     from lmkv.tiers.arena import HostArena
 
     plen, slot = lay.payload_bytes, padded(lay.payload_bytes)

@@ -137,7 +137,7 @@ def make_header(key: PageKey, layout: GroupLayout, payload) -> PageHeader:
 
 def header_of_digests(key: PageKey, layout: GroupLayout, digests: bytes) -> PageHeader:
     """The header of a page whose unit digests were computed elsewhere (on the GPU, for a page
-    stored from device memory: :mod:`lmkv.cuda.digests`)."""
+    stored from device memory: :mod:`lmkv.kernels.digests`)."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"a key has {KEY_BYTES} bytes, got {len(key)}")
     if len(digests) != 8 * num_units(layout):

@@ -20,7 +20,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 #: where each installed package's files live (pyproject.toml's package-dir)
 PACKAGES = {"lmkv": ROOT / "lmkv", "lmkv.connectors": ROOT / "connectors",
-            "lmkv.benchmarks": ROOT / "benchmarks", "lmkv.cuda": ROOT / "cuda"}
+            "lmkv.benchmarks": ROOT / "benchmarks", "lmkv.kernels": ROOT / "kernels"}
 ENGINES = ("vllm", "sglang", "transformers")
 
 
@@ -100,7 +100,7 @@ def test_the_graph_is_read():
     """(The walk sees the edges it must: a test of the test.)"""
     g = _graph()
     assert "lmkv.store" in g["lmkv.engine.worker"]
-    assert "lmkv.engine.blockcopy" in g["lmkv.cuda"]
+    assert "lmkv.engine.blockcopy" in g["lmkv.kernels"]
     assert {"lmkv.tiers.redis", "lmkv.tiers.server_client"} <= g["lmkv.tiers.factory"]  # deferred imports count
     assert "lmkv.connectors.sglang_pools" in g["lmkv.connectors.sglang"]  # relative imports resolve
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -119,7 +119,7 @@ FLOORS = {
     # how every wing starts its threads
     "lmkv.threads": 0,
     # the server's wire, which both its ends speak; page digests on a GPU (the disk tier's GDS path uses them)
-    "lmkv.wire": 1, "lmkv.cuda.digests": 1,
+    "lmkv.wire": 1, "lmkv.kernels.digests": 1,
     # where pages live; the prefix rule over anything that holds pages
     "lmkv.tiers": 2, "lmkv.lookup": 2,
     # the tiers used as one
@@ -127,7 +127,7 @@ FLOORS = {
     # lazy offload's policy (its trace-driven evaluation sits on top)
     "lmkv.offload": 4,
     # the engine-facing half, and its GPU copier beside the CPU one
-    "lmkv.engine": 5, "lmkv.cuda": 5,
+    "lmkv.engine": 5, "lmkv.kernels": 5,
     # the cache server
     "lmkv.serve": 6,
     # engine adapters
@@ -157,7 +157,7 @@ def test_wings_import_only_downward():
 def test_the_floors_are_read():
     """(A test of the test: an upward import is found, and every module has a floor.)"""
     assert _floor("lmkv.tiers.server_client") < _floor("lmkv.serve.server")
-    assert _floor("lmkv.cuda.digests") < _floor("lmkv.tiers.disk") < _floor("lmkv.cuda")
+    assert _floor("lmkv.kernels.digests") < _floor("lmkv.tiers.disk") < _floor("lmkv.kernels")
     for module in MODULES:
         _floor(module)
 
@@ -184,6 +184,15 @@ def test_every_package_is_listed_for_installation():
     assert packages == listed
 
 
+def test_no_folder_of_the_checkout_hides_a_package_lmkv_imports():
+    """``python -m`` and pytest run from the checkout put its root first on ``sys.path``: a
+    folder there named like a package lmkv imports (a ``cuda/`` beside NVIDIA's ``cuda.bindings``
+    and ``cuda.pathfinder``, which CuPy needs) hides that package on a GPU machine."""
+    outside = {i.split(".")[0] for name, path in MODULES.items() for i in _imports(name, path)} - {"lmkv"}
+    folders = {p.name for p in ROOT.iterdir() if p.is_dir()}
+    assert "cuda" in outside and not folders & outside, sorted(folders & outside)
+
+
 @pytest.mark.slow
 def test_a_non_editable_install_holds_every_module(tmp_path):
     """``pip install .`` (not editable) installs every module where its import name says, the
@@ -197,7 +206,7 @@ def test_a_non_editable_install_holds_every_module(tmp_path):
                    check=True, timeout=300, capture_output=True)
     probe = ("import importlib, importlib.resources, json, sys\n"
              "files = {m: importlib.import_module(m).__file__ for m in sys.argv[1:]}\n"
-             "kernel = all(importlib.resources.files('lmkv.cuda').joinpath(f).is_file()\n"
+             "kernel = all(importlib.resources.files('lmkv.kernels').joinpath(f).is_file()\n"
              "             for f in ('block_copy.cu', 'xxh3.cu'))\n"
              "print(json.dumps({'files': files, 'kernel': kernel}))\n")
     out = subprocess.run([sys.executable, "-c", probe, *sorted(MODULES)], check=True, timeout=300,

@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from lmkv.cuda import BlockShape, block_shape, kernel_source
+from lmkv.kernels import BlockShape, block_shape, kernel_source
 
 torch = pytest.importorskip("torch")
 
@@ -95,7 +95,7 @@ def test_the_kernel_matches_the_cpu_reference_on_a_gpu(order, pinned):
     from the same blocks, and scatter back to the same blocks (pages outside pinned memory go
     through torch)."""
     _gpu()
-    from lmkv.cuda import kernel_layer_blocks, synchronize
+    from lmkv.kernels import kernel_layer_blocks, synchronize
 
     layers = views(order, "cuda")
     nbytes = LayerBlocks(layers[0].cpu()).nbytes
@@ -131,9 +131,9 @@ def test_the_worker_stores_and_loads_cuda_blocks_through_the_kernel(copy_stream)
     from conftest import layerwise_load
 
     from lmkv.config import load_config
-    from lmkv.cuda import KernelLayerBlocks
     from lmkv.engine.plan import PageOp, StepPlan
     from lmkv.engine.worker import LayerwiseTransfer
+    from lmkv.kernels import KernelLayerBlocks
     from lmkv.layout import attention_layout
     from lmkv.store import TieredStore
 
@@ -224,7 +224,8 @@ def test_copy_streams_wait_for_the_forward_and_the_forward_for_them(monkeypatch)
         r = LayerwiseTransfer(store, [layout], [out], names)
         r.begin(StepPlan(loads=[PageOp("x", 0, chains, [0, 3, 8, 9], list(range(4)))]))
         with torch.cuda.stream(r._streams.step.by_device[out[0].device]):
-            torch.cuda._sleep(50_000_000)  # the copies queue behind this
+            # the copies queue behind this (~1 s: longer than the hooks take, a first kernel build included)
+            torch.cuda._sleep(2_000_000_000)
         r.start_loads()
         sums = torch.zeros(L, device="cuda", dtype=torch.float64)
         for i, name in enumerate(names):
@@ -242,7 +243,7 @@ def test_copy_streams_wait_for_the_forward_and_the_forward_for_them(monkeypatch)
 # -- the HIP build (no AMD GPU here: compiled, not run) ---------------------------------------------
 
 def _sources() -> dict[str, str]:
-    from lmkv.cuda.digests import digest_source
+    from lmkv.kernels.digests import digest_source
 
     return {"block_copy": kernel_source(), "xxh3": digest_source()}
 

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: where prose and code live (the tests' own data aside)
-SOURCES = [ROOT / d for d in ("lmkv", "connectors", "benchmarks", "cuda", "scripts", "docs", "examples")]
+SOURCES = [ROOT / d for d in ("lmkv", "connectors", "benchmarks", "kernels", "scripts", "docs", "examples")]
 
 
 def test_the_reference_pages_are_what_the_code_generates():

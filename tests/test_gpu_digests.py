@@ -1,4 +1,4 @@
-"""The GPU page digests (cuda/xxh3.cu): the kernel's own source, built for the host here, against
+"""The GPU page digests (kernels/xxh3.cu): the kernel's own source, built for the host here, against
 the xxhash package on every length class; run on a GPU where one is (the CUDA and HIP compiles
 are with the copy kernel's, in test_cuda_kernels.py)."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from lmkv.cuda.digests import digest_source
+from lmkv.kernels.digests import digest_source
 
 # every XXH3 length class and its edges: 0, 1-3, 4-8, 9-16, 17-128, 129-240, then stripes and blocks
 LENGTHS = sorted({*range(0, 300), 383, 384, 385, 1023, 1024, 1025, 1087, 1088, 2047, 2048, 2049, 4096,
@@ -66,7 +66,7 @@ def test_device_digests_are_xxhashs():
     _gpu()
     import cupy
 
-    from lmkv.cuda.digests import device_digests
+    from lmkv.kernels.digests import device_digests
 
     buf = cupy.asarray(np.random.default_rng(9).integers(0, 256, (1 << 21) + 64, dtype=np.uint8))
     host = cupy.asnumpy(buf)
@@ -81,7 +81,7 @@ def test_a_corrupt_page_fails_verification_on_the_device(layout):
     _gpu()
     import cupy
 
-    from lmkv.cuda.digests import verify_on_device
+    from lmkv.kernels.digests import verify_on_device
     from lmkv.page import make_header
 
     pages = [np.random.default_rng(i).integers(0, 256, layout.payload_bytes, dtype=np.uint8) for i in range(3)]

@@ -247,7 +247,7 @@ def test_a_gds_fetch_hands_back_no_staging_slot_a_read_is_still_filling(tmp_path
     after that (a marker here) stay as written."""
     from support.host_gds import HostCuFile, gds_store
 
-    from lmkv.cuda import digests
+    from lmkv.kernels import digests
 
     class SlowCuFile(HostCuFile):
         def read(self, *a, **kw) -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lmkv.config import load_config
-from lmkv.cuda.streams import Streams
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.worker import LayerwiseTransfer
+from lmkv.kernels.streams import Streams
 from lmkv.layout import attention_layout
 from lmkv.store import TieredStore
 

@@ -3,7 +3,7 @@
 - :mod:`~lmkv.engine.scheduler` decides (lookups, loads, stores, finalization, failures) in
   keys and block ids; no bytes move there.
 - :mod:`~lmkv.engine.worker` moves bytes: it executes a step's :mod:`~lmkv.engine.plan`
-  layer by layer, through :mod:`~lmkv.engine.blockcopy` (or :mod:`lmkv.cuda` on a GPU).
+  layer by layer, through :mod:`~lmkv.engine.blockcopy` (or :mod:`lmkv.kernels` on a GPU).
 - :mod:`~lmkv.engine.sequence` turns a request's tokens into page chains,
   :mod:`~lmkv.engine.residency` mirrors workers' memory for a scheduler in another process,
   :mod:`~lmkv.engine.stores` shares one store between a process's scheduler and worker.

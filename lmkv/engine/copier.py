@@ -2,7 +2,7 @@
 
 Each layer of each cache group gets a copier that gathers its blocks into page ranges and
 scatters page ranges into blocks: lmkv's CUDA kernel for a GPU layer it can address
-(:class:`lmkv.cuda.KernelLayerBlocks`, pages in the pinned arena or device staging slots), else
+(:class:`lmkv.kernels.KernelLayerBlocks`, pages in the pinned arena or device staging slots), else
 torch (:class:`lmkv.engine.blockcopy.LayerBlocks`, the CPU reference). On a GPU the copies run
 on streams of their own (``copy_stream``: a step's stream and a background one for
 asynchronous loads), ordered against the forward by events; on a CPU engine they run in the
@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmkv.cuda import KernelLayerBlocks, kernel_layer_blocks, synchronize, to_device
-from lmkv.cuda.streams import CopyStreams
 from lmkv.engine.blockcopy import BlockRun, LayerBlocks, as_bytes_array, block_runs
+from lmkv.kernels import KernelLayerBlocks, kernel_layer_blocks, synchronize, to_device
+from lmkv.kernels.streams import CopyStreams
 from lmkv.layout import GroupLayout
 from lmkv.tiers.gds import DeviceBuffer
 
 
 def layer_copier(layer: torch.Tensor, device_visible: Callable[[int, int], bool]) -> LayerBlocks | KernelLayerBlocks:
     """The copier of an engine layer: for a CUDA tensor, lmkv's kernel
-    (:class:`lmkv.cuda.KernelLayerBlocks`, pages in pinned memory where ``device_visible`` says so)
+    (:class:`lmkv.kernels.KernelLayerBlocks`, pages in pinned memory where ``device_visible`` says so)
     where it can copy the layout and CuPy is installed; otherwise :class:`LayerBlocks`."""
     if layer.device.type == "cuda":
         k = kernel_layer_blocks(layer, device_visible)
@@ -66,7 +66,7 @@ class Copier:
         #: per group, its layers where every one is plain rows of bytes (the CPU layout): pages load in place
         self.rows = [_rows_of(layers) for layers in self.layers]
         self.cuda = [t for group in tensors for t in group[:1] if t.device.type == "cuda"]  # a layer per group
-        #: GPU: the copies' own streams, ordered against the forward by events (:mod:`lmkv.cuda.streams`)
+        #: GPU: the copies' own streams, ordered against the forward by events (:mod:`lmkv.kernels.streams`)
         self.streams = CopyStreams(t.device for t in self.cuda) if self.cuda and copy_stream else None
         for layout, layers in zip(self.groups, self.layers):
             if len(layers) != layout.num_layers:

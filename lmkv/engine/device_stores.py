@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from lmkv.cuda import KernelLayerBlocks
 from lmkv.engine.copier import Copier
+from lmkv.kernels import KernelLayerBlocks
 from lmkv.keys import PageKey
 from lmkv.page import padded
 from lmkv.store import TieredStore
@@ -47,7 +47,7 @@ def store_from_device(store: TieredStore, copier: Copier, staging: DeviceStaging
     tier gets this way, by tier name: the step's own write-through skips them there."""
     if store.cfg.store.write_policy != "write_through":
         return {}
-    from lmkv.cuda.digests import headers_on_device
+    from lmkv.kernels.digests import headers_on_device
 
     disk = store.gds_disk
     assert disk is not None

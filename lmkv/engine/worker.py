@@ -43,8 +43,6 @@ import numpy as np
 import torch
 
 from lmkv import threads
-from lmkv.cuda import KernelLayerBlocks
-from lmkv.cuda.streams import Events
 from lmkv.engine.background_load import BackgroundLoads
 from lmkv.engine.blockcopy import BlockRun, as_bytes_array, block_runs
 from lmkv.engine.copier import Copier, Copies
@@ -53,6 +51,8 @@ from lmkv.engine.layer_fetch import LayerFetch, SpanChooser
 from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.transfer_stats import FailedChains, WorkerStats
 from lmkv.errors import TierFullError
+from lmkv.kernels import KernelLayerBlocks
+from lmkv.kernels.streams import Events
 from lmkv.keys import ChainHash, PageKey, page_key
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, header_of_digests, make_header

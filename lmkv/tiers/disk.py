@@ -525,7 +525,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         payloads, or by any engine: the files are the same."""
         if self.gds is None:
             raise ValueError(f"disk tier {self.root}: GPUDirect Storage is not in use (disk.io)")
-        from lmkv.cuda.digests import verify_on_device
+        from lmkv.kernels.digests import verify_on_device
 
         heads = self._read_parallel(keys, layout, outs)
         read = [i for i, h in enumerate(heads) if h is not None]

@@ -8,7 +8,7 @@ memory with ``cuFileRead`` / ``cuFileWrite``, through nothing else where the
 nvidia-fs driver is loaded (true GDS), or through cuFile's own bounce buffers where
 it is not (its compatibility mode: POSIX reads inside libcufile, still no copy
 through lmkv's memory). The payload is then verified on the device
-(:mod:`lmkv.cuda.digests`).
+(:mod:`lmkv.kernels.digests`).
 
 The binding is cuda-python's ``cuda.bindings.cufile``, a thin layer over libcufile
 (the ``nvidia-cufile`` wheel): pointer-based reads at any file and buffer offset,
@@ -114,8 +114,8 @@ def _library_missing() -> str | None:
         return None
     try:
         _cufile().get_version()
-    except ImportError:
-        return "cuda-python's cuFile bindings are not installed (pip install 'lmkv[gpu]')"
+    except ImportError as err:
+        return f"cuda-python's cuFile bindings are not importable ({err}; pip install 'lmkv[gpu]')"
     except Exception as err:  # the library itself is missing or broken
         return f"libcufile is not usable ({type(err).__name__}: {err})"
     return None

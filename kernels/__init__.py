@@ -211,7 +211,7 @@ class KernelLayerBlocks:
         copied into the pages in one more launch, so the host never reads the bytes to checksum them.
         The digests (a CuPy uint64 array, ``[pages, units]`` in the runs' page order) are ready once
         the queue has run; None (and a plain gather) where a page is not in pinned memory."""
-        from lmkv.cuda.digests import device_digests
+        from lmkv.kernels.digests import device_digests
 
         blocks, pages, rest = self._indices(runs)
         if rest:
