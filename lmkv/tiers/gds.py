@@ -200,7 +200,10 @@ class CuFile(GdsEngine):
         descr.type = self._cufile.FileHandleType.OPAQUE_FD
         descr.handle.fd = fd
         descr.fs_ops = 0
-        handle = self._cufile.handle_register(descr.ptr)
+        try:
+            handle = self._cufile.handle_register(descr.ptr)
+        except Exception as err:  # (cuFile reads the volume's udev properties: a VM without them is refused)
+            raise OSError(f"cuFile refused the file (cuFileHandleRegister: {type(err).__name__}: {err})") from err
         try:
             yield handle
         finally:
