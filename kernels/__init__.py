@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
+from typing import Any
 
 import numpy as np
 import torch
@@ -108,6 +109,18 @@ def block_copy(layer_ptrs, block_ids, page_ptrs, *, block_stride: int, shape: Bl
     _kernel()((pages, layers), (THREADS,), args, stream=stream)
 
 
+@dataclass(frozen=True)
+class _Gathered:
+    """A digested gather's device staging (one slot a page) and its kernels' address arrays."""
+
+    staging: torch.Tensor
+    base: Any  # (CuPy int64 arrays on the layer's device)
+    slots: Any
+    slot_ptrs: Any
+    unit_ptrs: Any
+    unit_lens: Any
+
+
 #: device index tensors of the runs lists copied lately: id(runs) -> (runs, (blocks, pages, rest)); the
 #: worker's background loads use it from their own threads
 _INDEX_CACHE: dict = {}
@@ -153,7 +166,7 @@ class KernelLayerBlocks:
         self.block_stride = layer.stride(0) * layer.element_size()
         self.visible = device_visible
         self.fallback = LayerBlocks(layer)  # for pages the GPU cannot reach
-        self._ptr: torch.Tensor | None = None
+        self._ptr: Any = None  # (a CuPy int64 array: the layer's address)
 
     def _indices(self, runs: Sequence):
         """The blocks and page addresses the kernel can copy (device tensors), and the runs it cannot;
@@ -173,8 +186,11 @@ class KernelLayerBlocks:
                 pages.extend(base + i * run.stride for i in range(run.count))
             else:
                 rest.append(run)
+        import cupy
+
         dev = self.tensor.device
-        made = (to_device(blocks, dev), to_device(pages, dev), rest)
+        # (as CuPy arrays: the kernel's launch takes them as they are, layer after layer)
+        made = (cupy.asarray(to_device(blocks, dev)), cupy.asarray(to_device(pages, dev)), rest)
         with _INDEX_LOCK:
             if len(_INDEX_CACHE) >= 8:  # a step's loads and stores, per group: a few lists at a time
                 _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
@@ -186,14 +202,17 @@ class KernelLayerBlocks:
         self.copy_at(blocks, pages, start, to_pages)
         return rest
 
-    def copy_at(self, blocks: torch.Tensor, pages: torch.Tensor, start: int, to_pages: bool) -> None:
+    def copy_at(self, blocks, pages, start: int, to_pages: bool) -> None:
         """Queue the copy between blocks ``blocks[i]`` and the pages at addresses ``pages[i]``
-        (int64 tensors on this layer's device; pages in device memory, or pinned host memory),
+        (int64 arrays on this layer's device, torch or CuPy; pages in device memory, or pinned host memory),
         each page's ``[start:start + nbytes]``."""
         if not len(blocks):
             return
         if self._ptr is None:
-            self._ptr = torch.full((1,), self.tensor.data_ptr(), dtype=torch.int64, device=self.tensor.device)
+            import cupy
+
+            self._ptr = cupy.asarray(torch.full((1,), self.tensor.data_ptr(), dtype=torch.int64,
+                                                device=self.tensor.device))
         # the tensor's device, not the thread's current one (a store I/O thread's is device 0)
         with cupy_device(self.tensor.device):
             block_copy(self._ptr, blocks, pages, block_stride=self.block_stride, shape=self.shape,
@@ -217,23 +236,47 @@ class KernelLayerBlocks:
         if rest:
             self.gather(runs, start)
             return None
-        n, dev = len(blocks), self.tensor.device
-        # (every index made on the device or staged through pinned memory: nothing here waits for
-        # the stream, which may be waiting for the forward)
-        staging = torch.empty(n * self.nbytes, dtype=torch.uint8, device=dev)  # (on the current stream)
+        stream = _stream(self.tensor.device)
+        g = self._gathered(runs, units, len(blocks), stream)
+        self.copy_at(blocks, g.slot_ptrs, 0, to_pages=True)
+        digests = device_digests(g.unit_ptrs, g.unit_lens, stream, self.tensor.device.index)
+        with cupy_device(self.tensor.device):
+            block_copy(g.base, g.slots, pages, block_stride=self.nbytes, shape=BlockShape.contiguous(self.nbytes),
+                       layer_stride=0, page_offset=start, to_pages=True, stream=stream)
+        return digests.reshape(len(blocks), len(units))
+
+    def _gathered(self, runs: Sequence, units: Sequence[tuple[int, int]], n: int, stream) -> _Gathered:
+        """The device staging of a digested gather and its address arrays, made once for a list of
+        runs and reused for every layer a step stores (a layer's copies are queued on one stream
+        behind the previous layer's, so they may share the buffer)."""
+        key = ("gathered", id(runs), tuple(units), self.tensor.device, self.nbytes, stream.ptr)
+        with _INDEX_LOCK:
+            hit = _INDEX_CACHE.get(key)
+        if hit is not None and hit[0] is runs:
+            return hit[1]
+        import cupy
+
+        dev = self.tensor.device
+        # (every array made on the device or staged through pinned memory, on the copies' stream:
+        # nothing here waits for it, which may be waiting for the forward)
+        staging = torch.empty(n * self.nbytes, dtype=torch.uint8, device=dev)
         base = staging.data_ptr()
         slots = torch.arange(n, dtype=torch.int64, device=dev)
-        self.copy_at(blocks, slots * self.nbytes + base, 0, to_pages=True)
         starts = to_device([a for a, _ in units], dev)
         lens = to_device([b - a for a, b in units], dev)
-        stream = _stream(dev)
-        digests = device_digests((slots[:, None] * self.nbytes + base + starts[None, :]).reshape(-1),
-                                 lens.repeat(n), stream, dev.index)
-        with cupy_device(dev):
-            block_copy(torch.full((1,), base, dtype=torch.int64, device=dev), slots, pages, block_stride=self.nbytes,
-                       shape=BlockShape.contiguous(self.nbytes), layer_stride=0, page_offset=start, to_pages=True,
-                       stream=stream)
-        return digests.reshape(n, len(units))
+        made = _Gathered(
+            staging=staging,
+            base=cupy.asarray(torch.full((1,), base, dtype=torch.int64, device=dev)),
+            slots=cupy.asarray(slots),
+            slot_ptrs=cupy.asarray(slots * self.nbytes + base),
+            unit_ptrs=cupy.asarray((slots[:, None] * self.nbytes + base + starts[None, :]).reshape(-1)),
+            unit_lens=cupy.asarray(lens.repeat(n)),
+        )
+        with _INDEX_LOCK:
+            if len(_INDEX_CACHE) >= 8:
+                _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
+            _INDEX_CACHE[key] = (runs, made)
+        return made
 
     def scatter(self, runs: Sequence, start: int) -> None:
         """Queue the copy of each run's pages' ``[start:start + nbytes]`` into its blocks."""

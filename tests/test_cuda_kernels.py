@@ -222,15 +222,17 @@ def test_copy_streams_wait_for_the_forward_and_the_forward_for_them(monkeypatch)
         for t in out:
             t.zero_()
         r = LayerwiseTransfer(store, [layout], [out], names)
+        # (indexed by a device tensor: a Python list is copied from pageable memory, which makes the
+        # host wait for the compute stream, and so for the copies it waits on)
+        rows = torch.tensor([0, 3, 8, 9], device="cuda")
         r.begin(StepPlan(loads=[PageOp("x", 0, chains, [0, 3, 8, 9], list(range(4)))]))
         with torch.cuda.stream(r._streams.step.by_device[out[0].device]):
-            # the copies queue behind this (~1 s: longer than the hooks take, a first kernel build included)
-            torch.cuda._sleep(2_000_000_000)
+            torch.cuda._sleep(500_000_000)  # the copies queue behind this (~0.25 s)
         r.start_loads()
         sums = torch.zeros(L, device="cuda", dtype=torch.float64)
         for i, name in enumerate(names):
             r.before_layer(name)
-            sums[i] = out[i][[0, 3, 8, 9]].double().sum()  # the forward reads layer i
+            sums[i] = out[i].index_select(0, rows).double().sum()  # the forward reads layer i
         assert not r._streams.step.by_device[out[0].device].query()  # nor for the copies
         r.end()
         torch.cuda.synchronize()
