@@ -225,11 +225,14 @@ def test_copy_streams_wait_for_the_forward_and_the_forward_for_them(monkeypatch)
         # (indexed by a device tensor: a Python list is copied from pageable memory, which makes the
         # host wait for the compute stream, and so for the copies it waits on)
         rows = torch.tensor([0, 3, 8, 9], device="cuda")
+        sums = torch.zeros(L, device="cuda", dtype=torch.float64)
+        for i in range(L):  # (the reads' memory, cached by torch's allocator now: a new cudaMalloc may wait)
+            sums[i] = out[i].index_select(0, rows).double().sum()
+        torch.cuda.synchronize()
         r.begin(StepPlan(loads=[PageOp("x", 0, chains, [0, 3, 8, 9], list(range(4)))]))
         with torch.cuda.stream(r._streams.step.by_device[out[0].device]):
             torch.cuda._sleep(500_000_000)  # the copies queue behind this (~0.25 s)
         r.start_loads()
-        sums = torch.zeros(L, device="cuda", dtype=torch.float64)
         for i, name in enumerate(names):
             r.before_layer(name)
             sums[i] = out[i].index_select(0, rows).double().sum()  # the forward reads layer i
