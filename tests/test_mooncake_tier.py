@@ -19,6 +19,7 @@ from lmkv.config import RemoteConfig
 from lmkv.dev.mooncake_master import start_master
 from lmkv.dev.redis_server import free_port
 from lmkv.errors import TierUnavailableError
+from lmkv.page import make_header
 
 pytest.importorskip("mooncake.store")
 
@@ -82,6 +83,37 @@ def test_a_damaged_object_is_a_miss_and_only_its_damaged_layer_fails_a_ranged_re
     assert tier.get_ranges(keys[:1], layout, [layout.layer_range(1)], out)[0] is None  # (and the page is dropped)
     found, _ = _read(tier, layout, keys)
     assert found == [False, True]
+
+
+def test_a_pages_header_is_read_once_and_verifies_its_later_ranges(tier, layout, monkeypatch):
+    """A layerwise load reads each page in spans: the first brings the page's header, the later ones
+    ask Mooncake for their ranges alone and are verified against the header kept from the first.
+    A range that does not match it (the object written again under its key with other bytes) is
+    still a bad page (counted, dropped), and the header is no longer kept."""
+    keys, payloads, pages = make_pages(layout, 3, seed=5)
+    assert tier.put(pages, "engine") == [True] * 3
+    asked: list[list[int]] = []
+    real = tier._fetch
+
+    def fetch(client, names, offsets, heads, hdr, want, whole):
+        asked.append(list(heads))
+        return real(client, names, offsets, heads, hdr, want, whole)
+
+    monkeypatch.setattr(tier, "_fetch", fetch)
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+    for layer in range(3):
+        assert all(h is not None for h in tier.get_ranges(keys, layout, [layout.layer_range(layer)], outs))
+    assert asked == [[True] * 3, [False] * 3, [False] * 3]
+    for layer in range(3):
+        a, b = layout.layer_range(layer)
+        assert all((o[a:b] == p[a:b]).all() for o, p in zip(outs, payloads))
+    _, other, _ = make_pages(layout, 1, seed=6)
+    assert tier._client().batch_remove([tier._name(keys[0])], True) == [0]
+    assert tier.put([(make_header(keys[0], layout, other[0]), other[0])], "engine") == [True]
+    corrupt = tier.stats.corrupt
+    got = tier.get_ranges(keys[:1], layout, [layout.layer_range(3)], outs[:1])
+    assert got == [None] and tier.stats.corrupt == corrupt + 1 and keys[0] not in tier._headers
+    assert tier.get_ranges(keys[1:], layout, [layout.layer_range(3)], outs[1:]) != [None, None]
 
 
 def test_a_master_that_is_not_there_is_a_bounded_miss_and_the_tier_comes_up_with_it(layout):

@@ -42,8 +42,20 @@ class MooncakeMaster:
         return f"mooncake://127.0.0.1:{self.port}"
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``; a SIGSTOP is waited for (up to 2 s) until the process is stopped: the kernel
+        stops it after ``kill`` returns, and a request sent in between is still answered."""
         if self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
+            deadline = time.monotonic() + 2.0
+            while sig == signal.SIGSTOP and time.monotonic() < deadline and not self._stopped():
+                time.sleep(0.001)
+
+    def _stopped(self) -> bool:
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                return any(line.startswith("State:") and "T" in line.split()[1] for line in f)
+        except OSError:
+            return False
 
     def stop(self) -> None:
         if self.proc.poll() is None:

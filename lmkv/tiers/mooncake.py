@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -40,7 +41,7 @@ from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import FIXED_BYTES, PageHeader, num_units, units_in_ranges
 from lmkv.tiers.base import Range
-from lmkv.tiers.remote import RemoteTier, batches
+from lmkv.tiers.remote import Checked, RemoteTier, batches
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ T = TypeVar("T")
 RPC_FAILED = -900
 #: threads Mooncake's blocking calls run on (a stalled master holds one each until it answers)
 CALL_THREADS = 4
+#: headers of pages read lately, kept so a layerwise load's later spans read only their ranges
+HEADERS_KEPT = 16384
 
 
 def master_address(url: str) -> str:
@@ -80,6 +83,8 @@ class MooncakeTier(RemoteTier):
         self._connecting: Future | None = None
         self._staging = np.zeros(int(self.mc.staging_size), np.uint8)
         self._staging_lock = threading.Lock()
+        # page key -> its packed header, as a verified read found it (see _read)
+        self._headers: OrderedDict[PageKey, bytes] = OrderedDict()
 
     # -- the client ------------------------------------------------------------
 
@@ -165,44 +170,67 @@ class MooncakeTier(RemoteTier):
         """Into staging a batch at a time, the two halves of staging in turn: while Mooncake moves
         one batch (its calls release the interpreter lock), the last one's pages are copied into
         their ``outs`` and their units verified, still in cache. Each page lands as its header and
-        payload (or its header and each of ``ranges``)."""
+        payload, or as ``ranges`` alone when this tier has read its header lately (a layerwise load's
+        later spans: a page's key names its content, so a header read once verifies every range),
+        else its header and ``ranges``."""
         hdr = header_bytes(layout)
         want = [(0, layout.payload_bytes)] if ranges is None else [(a, b) for a, b in ranges]
         units = units_in_ranges(layout, want)
-        per_page = hdr + sum(b - a for a, b in want)
+        body = sum(b - a for a, b in want)
+        known: list[bytes | None] = [None] * len(keys) if ranges is None else self._known_headers(keys)
+        sizes = [body + (hdr if h is None else 0) for h in known]
         half = self._staging.nbytes // 2
-        if per_page > half:
-            raise TierUnavailableError(f"{self.name}: a {per_page}-byte page does not fit half of "
+        if max(sizes, default=0) > half:
+            raise TierUnavailableError(f"{self.name}: a {max(sizes)}-byte page does not fit half of "
                                        "remote.mooncake.staging_size")
         out: list = []
         with self._staging_lock:
             client = self._client()
-            landing: tuple[Future, range, int] | None = None
-            for n, r in enumerate(batches([per_page] * len(keys), half, len(keys))):
+            landing: tuple[Future, Sequence[int], list[int]] | None = None
+            for n, r in enumerate(batches(sizes, half, len(keys))):
                 at = (n % 2) * half
+                offsets = [at + int(o) for o in np.cumsum([0] + [sizes[i] for i in r[:-1]])]
                 names = [self._name(keys[i]) for i in r]
-                moving = self._calls.submit(self._fetch, client, names, at, hdr, want, per_page, ranges is None)
+                heads = [known[i] is None for i in r]
+                moving = self._calls.submit(self._fetch, client, names, offsets, heads, hdr, want, ranges is None)
                 if landing is not None:
-                    out += self._land(*landing, keys, layout, outs, hdr, want, per_page, units)
-                landing = (moving, r, at)
+                    out += self._land(*landing, keys, known, layout, outs, hdr, want, units)
+                landing = (moving, r, offsets)
             if landing is not None:
-                out += self._land(*landing, keys, layout, outs, hdr, want, per_page, units)
+                out += self._land(*landing, keys, known, layout, outs, hdr, want, units)
         return out
 
-    def _fetch(self, client, names: list[str], at: int, hdr: int, want: list[tuple[int, int]], per_page: int,
-               whole: bool) -> list[bool]:
-        """One Mooncake read: each object (or its header and ranges) into staging from ``at``, page
-        after page; per page, whether all of it came.
+    def _known_headers(self, keys: Sequence[PageKey]) -> list[bytes | None]:
+        with self._lock:
+            return [self._headers.get(k) for k in keys]
+
+    def _keep_header(self, key: PageKey, raw: bytes) -> None:
+        with self._lock:
+            self._headers[key] = raw
+            self._headers.move_to_end(key)
+            while len(self._headers) > HEADERS_KEPT:
+                self._headers.popitem(last=False)
+
+    def _forget_headers(self, keys: Sequence[PageKey]) -> None:
+        with self._lock:
+            for k in keys:
+                self._headers.pop(k, None)
+
+    def _fetch(self, client, names: list[str], offsets: list[int], heads: list[bool], hdr: int,
+               want: list[tuple[int, int]], whole: bool) -> list[bool]:
+        """One Mooncake read: each object (or its header where ``heads`` says, and its ranges) into
+        staging at its offset; per page, whether all of it came.
 
         Ranges go through a get session: its start asks the master where the objects are (one round
         trip), the ranged read then moves bytes from those replicas without the master. (Mooncake
         0.3.13's ``get_into_ranges`` crashes the process when its own query of the master fails, as
         when the master dies during the call; a session whose start fails is a miss.)"""
-        base = self._staging.ctypes.data + at
+        base = self._staging.ctypes.data
+        body = sum(b - a for a, b in want)
         if whole:
-            got = client.batch_get_into(names, [base + i * per_page for i in range(len(names))],
-                                        [per_page] * len(names))
-            return [g == per_page for g in got]
+            size = hdr + body
+            got = client.batch_get_into(names, [base + o for o in offsets], [size] * len(names))
+            return [g == size for g in got]
         started = client.batch_get_session_start(names)
         try:
             self._reachable(started)
@@ -212,9 +240,9 @@ class MooncakeTier(RemoteTier):
                 return ok
             ptrs, sizes, srcs = [], [], []
             for i in live:
-                pos = base + i * per_page
-                p, z, s_ = [pos], [hdr], [0]
-                pos += hdr
+                pos = base + offsets[i]
+                p, z, s_ = ([pos], [hdr], [0]) if heads[i] else ([], [], [])
+                pos += hdr if heads[i] else 0
                 for a, b in want:
                     p.append(pos)
                     z.append(b - a)
@@ -225,7 +253,7 @@ class MooncakeTier(RemoteTier):
                 srcs.append(s_)
             got = client.batch_get_into_multi_buffer_ranges([names[i] for i in live], ptrs, sizes, srcs)
             for i, g in zip(live, got):
-                ok[i] = g == per_page
+                ok[i] = g == body + (hdr if heads[i] else 0)
             return ok
         finally:
             client.batch_get_session_end(names)
@@ -235,25 +263,38 @@ class MooncakeTier(RemoteTier):
         if rcs and all(rc <= RPC_FAILED for rc in rcs):
             raise TierUnavailableError(f"{self.name}: master {self.master} unreachable ({rcs[0]})")
 
-    def _land(self, moving: Future, r: range, at: int, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
-              hdr: int, want: list[tuple[int, int]], per_page: int, units: list[int]) -> list:
+    def _land(self, moving: Future, r: Sequence[int], offsets: list[int], keys: Sequence[PageKey],
+              known: list[bytes | None], layout: GroupLayout, outs: Sequence, hdr: int,
+              want: list[tuple[int, int]], units: list[int]) -> list:
         """A batch's pages from staging into their ``outs`` once Mooncake moved them, each verified
-        right after its copy (a :class:`Checked` header), or its raw header for the caller's check to
-        count and drop, or None where the object was not there."""
+        right after its copy (a :class:`Checked` header, kept for later reads of the page), or its
+        raw header for the caller's check to count and drop (a kept header it failed is forgotten:
+        whichever of the two was wrong, the object is dropped), or None where the object was not
+        there."""
         came = self._wait(moving)
         results: list = []
         for j, (i, ok) in enumerate(zip(r, came)):
             if not ok:
                 results.append(None)
                 continue
-            pos = at + j * per_page
-            raw = bytes(self._staging[pos : pos + hdr])
+            pos = offsets[j]
+            raw = known[i]
+            if raw is None:
+                raw = bytes(self._staging[pos : pos + hdr])
+                pos += hdr
             dst = np.frombuffer(memoryview(outs[i]).cast("B"), np.uint8)
-            pos += hdr
             for a, b in want:
                 np.copyto(dst[a:b], self._staging[pos : pos + b - a])
                 pos += b - a
-            results.append(self._verified(keys[i], raw, layout, dst, units) if self.verifies else raw)
+            if not self.verifies:
+                results.append(raw)
+                continue
+            got = self._verified(keys[i], raw, layout, dst, units)
+            if isinstance(got, Checked):
+                self._keep_header(keys[i], raw)
+            else:
+                self._forget_headers([keys[i]])
+            results.append(got)
         return results
 
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
@@ -285,6 +326,7 @@ class MooncakeTier(RemoteTier):
         return stored
 
     def _delete(self, keys: Sequence[PageKey]) -> int:
+        self._forget_headers(keys)
         names = [self._name(k) for k in keys]
         return sum(rc == 0 for rc in self._run(lambda c: c.batch_remove(names, True)))
 
