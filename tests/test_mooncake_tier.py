@@ -116,6 +116,52 @@ def test_a_pages_header_is_read_once_and_verifies_its_later_ranges(tier, layout,
     assert tier.get_ranges(keys[1:], layout, [layout.layer_range(3)], outs[1:]) != [None, None]
 
 
+def test_a_layerwise_loads_spans_read_in_one_get_session(tier, layout, monkeypatch):
+    """The spans of a layerwise load read the same pages one after another: the first starts their
+    get session, the later ones read in it (no start, no master). An object that goes meanwhile
+    is a miss and leaves the session; a page written again under its key is found afresh; objects
+    idle for SESSION_IDLE_S leave the session with the next read."""
+    from lmkv.tiers.mooncake import SESSION_IDLE_S
+
+    keys, payloads, pages = make_pages(layout, 4, seed=7)
+    assert tier.put(pages, "engine") == [True] * 4
+    real = tier._client()
+    calls: list[tuple[str, list[str]]] = []
+
+    class Counting:  # (Mooncake's client takes no new attributes: count through a proxy)
+        def __getattr__(self, name):
+            f = getattr(real, name)
+            if not name.startswith("batch_get_session"):
+                return f
+            return lambda names, *a: calls.append((name.rsplit("_", 1)[1], sorted(names))) or f(names, *a)
+
+    monkeypatch.setattr(tier, "_client", Counting)
+    names = sorted(tier._name(k) for k in keys)
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+
+    def span(layer, ks=keys, os=outs):
+        return [h is not None for h in tier.get_ranges(ks, layout, [layout.layer_range(layer)], os)]
+
+    assert span(0) == span(1) == span(2) == [True] * 4
+    assert calls == [("start", names)]
+    a, b = layout.layer_range(2)
+    assert all((o[a:b] == p[a:b]).all() for o, p in zip(outs, payloads))
+    assert tier.delete(keys[:1]) == 1  # (deleting a page also forgets its header: the next span asks for it)
+    assert span(3) == [False, True, True, True]
+    assert ("end", [tier._name(keys[0])]) in calls
+    assert tier.put(pages[:1], "engine") == [True]
+    calls.clear()
+    assert span(3) == [True] * 4
+    assert calls == [("start", [tier._name(keys[0])])]
+    time.sleep(SESSION_IDLE_S + 0.2)
+    other, _, more = make_pages(layout, 1, seed=8)
+    assert tier.put(more, "engine") == [True]
+    calls.clear()
+    assert span(0, other, outs[:1]) == [True]
+    assert any(op == "end" and set(names) <= set(ended) for op, ended in calls)
+    assert ("start", [tier._name(other[0])]) in calls
+
+
 def test_a_master_that_is_not_there_is_a_bounded_miss_and_the_tier_comes_up_with_it(layout):
     port = free_port()
     t = _tier(f"mooncake://127.0.0.1:{port}", connect_timeout=0.5)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -53,6 +54,13 @@ RPC_FAILED = -900
 CALL_THREADS = 4
 #: headers of pages read lately, kept so a layerwise load's later spans read only their ranges
 HEADERS_KEPT = 16384
+#: how long an object stays in the client's get session after its last ranged read, for the next
+#: span of a layerwise load (spans follow each other by a layer's compute; a read right after the
+#: session's start costs ~1.5 ms more than one in a session already open, on loopback), and how
+#: many objects stay in it at most
+SESSION_IDLE_S = 0.5
+SESSION_KEYS = 65536
+
 
 
 def master_address(url: str) -> str:
@@ -85,6 +93,10 @@ class MooncakeTier(RemoteTier):
         self._staging_lock = threading.Lock()
         # page key -> its packed header, as a verified read found it (see _read)
         self._headers: OrderedDict[PageKey, bytes] = OrderedDict()
+        # the client's get session, per object (Mooncake keeps it per key): name -> [found by the
+        # start, last read, reads in flight], least recently read first (see _session)
+        self._session_keys: OrderedDict[str, list] = OrderedDict()
+        self._sessions_lock = threading.Lock()
 
     # -- the client ------------------------------------------------------------
 
@@ -221,21 +233,20 @@ class MooncakeTier(RemoteTier):
         """One Mooncake read: each object (or its header where ``heads`` says, and its ranges) into
         staging at its offset; per page, whether all of it came.
 
-        Ranges go through a get session: its start asks the master where the objects are (one round
-        trip), the ranged read then moves bytes from those replicas without the master. (Mooncake
-        0.3.13's ``get_into_ranges`` crashes the process when its own query of the master fails, as
-        when the master dies during the call; a session whose start fails is a miss.)"""
+        Ranges go through the client's get session (:meth:`_session`): its start asks the master
+        where the objects are (one round trip), ranged reads then move bytes from those replicas
+        without the master. (Mooncake 0.3.13's ``get_into_ranges`` crashes the process when its own
+        query of the master fails, as when the master dies during the call; an object the session's
+        start does not find is a miss.)"""
         base = self._staging.ctypes.data
         body = sum(b - a for a, b in want)
         if whole:
             size = hdr + body
             got = client.batch_get_into(names, [base + o for o in offsets], [size] * len(names))
             return [g == size for g in got]
-        started = client.batch_get_session_start(names)
+        live = self._session(client, names)
+        ok = [False] * len(names)
         try:
-            self._reachable(started)
-            live = [i for i, rc in enumerate(started) if rc >= 0]
-            ok = [False] * len(names)
             if not live:
                 return ok
             ptrs, sizes, srcs = [], [], []
@@ -256,7 +267,74 @@ class MooncakeTier(RemoteTier):
                 ok[i] = g == body + (hdr if heads[i] else 0)
             return ok
         finally:
+            # (a page that failed, missing, its lease expired or its object gone, is started afresh next time)
+            self._done_with(client, names, [n for n, good in zip(names, ok) if not good])
+
+    def _session(self, client, names: list[str]) -> list[int]:
+        """``names`` in the client's get session, started for those not in it yet (the earlier
+        spans of a layerwise load started the others); the indices of those the start found.
+        Objects idle for :data:`SESSION_IDLE_S` leave the session on the way. A start the master
+        does not answer is the tier's outage."""
+        now = time.monotonic()
+        with self._sessions_lock:
+            keys = self._session_keys
+            idle = [n for n, (_, used, busy) in keys.items() if not busy and now - used > SESSION_IDLE_S]
+            for n in idle:
+                del keys[n]
+            new = [n for n in names if n not in keys]
+            for n in names:  # (held: no other read ends them meanwhile)
+                entry = keys.setdefault(n, [False, now, 0])
+                entry[2] += 1
+        self._end(client, idle)
+        if new:
+            try:
+                started = client.batch_get_session_start(new)
+                self._reachable(started)
+            except BaseException:
+                self._done_with(client, names, names)
+                raise
+            with self._sessions_lock:
+                for n, rc in zip(new, started):
+                    self._session_keys[n][0] = rc >= 0
+        with self._sessions_lock:
+            return [i for i, n in enumerate(names) if self._session_keys[n][0]]
+
+    def _done_with(self, client, names: list[str], failed: list[str]) -> None:
+        """A read of ``names`` is over: each stays in the session, but those in ``failed`` (and the
+        least recently read beyond :data:`SESSION_KEYS`) leave it once no other read holds them."""
+        now = time.monotonic()
+        bad = set(failed)
+        with self._sessions_lock:
+            keys = self._session_keys
+            for n in names:
+                entry = keys[n]
+                entry[1], entry[2] = now, entry[2] - 1
+                keys.move_to_end(n)
+            over = len(keys) - SESSION_KEYS
+            ended = [n for n in bad if not keys[n][2]] + [n for n, e in list(keys.items())[:max(0, over)]
+                                                         if not e[2] and n not in bad]
+            for n in ended:
+                del keys[n]
+        self._end(client, ended)
+
+    def _leave_session(self, names: list[str]) -> None:
+        """These objects out of the get session now, unless a read holds them."""
+        with self._sessions_lock:
+            gone = [n for n in names if n in self._session_keys and not self._session_keys[n][2]]
+            for n in gone:
+                del self._session_keys[n]
+        with self._lock:
+            client = self._store
+        if client is not None:
+            self._end(client, gone)
+
+    def _end(self, client, names: list[str]) -> None:
+        if not names:
+            return
+        try:
             client.batch_get_session_end(names)
+        except (RuntimeError, ValueError) as err:  # (the client going away: nothing left to free)
+            log.debug("lmkv: %s tier: ending get sessions: %s", self.name, err)
 
     def _reachable(self, rcs: Sequence[int]) -> None:
         """A batch call's return codes: every one an RPC failure is the master's outage, not misses."""
@@ -292,8 +370,9 @@ class MooncakeTier(RemoteTier):
             got = self._verified(keys[i], raw, layout, dst, units)
             if isinstance(got, Checked):
                 self._keep_header(keys[i], raw)
-            else:
+            else:  # (its object may have gone or changed since the session found it: start afresh)
                 self._forget_headers([keys[i]])
+                self._leave_session([self._name(keys[i])])
             results.append(got)
         return results
 
@@ -328,6 +407,7 @@ class MooncakeTier(RemoteTier):
     def _delete(self, keys: Sequence[PageKey]) -> int:
         self._forget_headers(keys)
         names = [self._name(k) for k in keys]
+        self._leave_session(names)
         return sum(rc == 0 for rc in self._run(lambda c: c.batch_remove(names, True)))
 
     def _clear(self, domain: str) -> int:
@@ -343,6 +423,9 @@ class MooncakeTier(RemoteTier):
         with self._lock:
             store, self._store = self._store, None
         if store is not None:
+            with self._sessions_lock:
+                names, self._session_keys = list(self._session_keys), OrderedDict()
+            self._end(store, names)
             try:
                 store.unregister_buffer(self._staging.ctypes.data)
                 store.close()
