@@ -121,8 +121,9 @@ class _Gathered:
     unit_lens: Any
 
 
-#: device index tensors of the runs lists copied lately: id(runs) -> (runs, (blocks, pages, rest)); the
-#: worker's background loads use it from their own threads
+#: what the kernels need for the runs lists copied lately, made once per list: (id(runs), device) ->
+#: (runs, (blocks, pages, rest)) as CuPy index arrays, and per digested gather its :class:`_Gathered`;
+#: the worker's background loads use it from their own threads
 _INDEX_CACHE: dict = {}
 _INDEX_LOCK = threading.Lock()
 

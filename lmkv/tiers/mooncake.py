@@ -22,6 +22,7 @@ master does.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
@@ -125,6 +126,8 @@ class MooncakeTier(RemoteTier):
                                        f"failed ({rc})")
         with self._lock:
             self._store = store
+        with self._sessions_lock:  # (a new client has no get session: its objects start afresh)
+            self._session_keys.clear()
         log.info("lmkv: %s tier connected to master %s", self.name, self.master)
         return store
 
@@ -278,7 +281,12 @@ class MooncakeTier(RemoteTier):
         now = time.monotonic()
         with self._sessions_lock:
             keys = self._session_keys
-            idle = [n for n, (_, used, busy) in keys.items() if not busy and now - used > SESSION_IDLE_S]
+            idle = []
+            for n, (_, used, busy) in keys.items():  # (least recently read first)
+                if now - used <= SESSION_IDLE_S:
+                    break
+                if not busy:
+                    idle.append(n)
             for n in idle:
                 del keys[n]
             new = [n for n in names if n not in keys]
@@ -311,8 +319,9 @@ class MooncakeTier(RemoteTier):
                 entry[1], entry[2] = now, entry[2] - 1
                 keys.move_to_end(n)
             over = len(keys) - SESSION_KEYS
-            ended = [n for n in bad if not keys[n][2]] + [n for n, e in list(keys.items())[:max(0, over)]
-                                                         if not e[2] and n not in bad]
+            ended = [n for n in bad if not keys[n][2]]
+            if over > 0:
+                ended += [n for n, e in itertools.islice(keys.items(), over) if not e[2] and n not in bad]
             for n in ended:
                 del keys[n]
         self._end(client, ended)
