@@ -9,7 +9,7 @@
 # log.txt (pip, the cuFile probe, the benches' logs), pytest.log, and the JSON of `lmkv bench copy`,
 # `lmkv bench gds` and `lmkv bench layerwise`. GDS_DIR picks the directory cuFile reads and writes
 # (ext4 or xfs); without it the first such writable mount is taken, else /tmp (then the report
-# says why GDS did not run there).
+# says why GDS did not run there). GDS_UDEV_ENTRY=1: see below (the device tool's VM needs it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/lmkv-gpu}}
@@ -59,6 +59,14 @@ EOF
 fi
 mkdir -p "$GDS_DIR"
 say "GDS directory: $GDS_DIR"
+# cuFile classifies a volume from udev's database; a VM without one gets every file refused
+# (docs/guides/disk.md). GDS_UDEV_ENTRY=1 writes the entry for GDS_DIR's device where it is missing.
+DEV=$(stat -c '%Hd:%Ld' "$GDS_DIR")
+if [ -n "${GDS_UDEV_ENTRY:-}" ] && [ ! -e "/run/udev/data/b$DEV" ]; then
+    mkdir -p /run/udev/data
+    printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(findmnt -no FSTYPE -T "$GDS_DIR")" >"/run/udev/data/b$DEV"
+    say "wrote the udev entry cuFile reads: /run/udev/data/b$DEV"
+fi
 # what cuFile does here: lmkv's probe, then cuFile on files opened with and without O_DIRECT, to
 # buffers registered or not (cuFile's own log, at INFO, comes back as cufile.log)
 grep -E '"(allow_compat_mode|force_compat_mode|use_poll_mode)"' /etc/cufile.json >>"$OUT/env.txt" 2>&1
