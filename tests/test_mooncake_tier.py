@@ -121,8 +121,9 @@ def test_a_layerwise_loads_spans_read_in_one_get_session(tier, layout, monkeypat
     get session, the later ones read in it (no start, no master). An object that goes meanwhile
     is a miss and leaves the session; a page written again under its key is found afresh; objects
     idle for SESSION_IDLE_S leave the session with the next read."""
-    from lmkv.tiers.mooncake import SESSION_IDLE_S
+    from lmkv.tiers import mooncake
 
+    monkeypatch.setattr(mooncake, "SESSION_IDLE_S", 60.0)  # (however slow this machine: nothing idles out)
     keys, payloads, pages = make_pages(layout, 4, seed=7)
     assert tier.put(pages, "engine") == [True] * 4
     real = tier._client()
@@ -153,7 +154,8 @@ def test_a_layerwise_loads_spans_read_in_one_get_session(tier, layout, monkeypat
     calls.clear()
     assert span(3) == [True] * 4
     assert calls == [("start", [tier._name(keys[0])])]
-    time.sleep(SESSION_IDLE_S + 0.2)
+    monkeypatch.setattr(mooncake, "SESSION_IDLE_S", 0.05)
+    time.sleep(0.1)
     other, _, more = make_pages(layout, 1, seed=8)
     assert tier.put(more, "engine") == [True]
     calls.clear()
