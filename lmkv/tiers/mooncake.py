@@ -43,7 +43,7 @@ from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import FIXED_BYTES, PageHeader, num_units, units_in_ranges
 from lmkv.tiers.base import Range
-from lmkv.tiers.remote import Checked, RemoteTier, batches
+from lmkv.tiers.remote import Checked, HeaderCache, RemoteTier, batches
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,6 @@ HEADERS_KEPT = 16384
 #: many objects stay in it at most
 SESSION_IDLE_S = 0.5
 SESSION_KEYS = 65536
-
 
 
 def master_address(url: str) -> str:
@@ -92,8 +91,7 @@ class MooncakeTier(RemoteTier):
         self._connecting: Future | None = None
         self._staging = np.zeros(int(self.mc.staging_size), np.uint8)
         self._staging_lock = threading.Lock()
-        # page key -> its packed header, as a verified read found it (see _read)
-        self._headers: OrderedDict[PageKey, bytes] = OrderedDict()
+        self._headers = HeaderCache(HEADERS_KEPT)  # (the pages verified reads found: see _read)
         # the client's get session, per object (Mooncake keeps it per key): name -> [found by the
         # start, last read, reads in flight], least recently read first (see _session)
         self._session_keys: OrderedDict[str, list] = OrderedDict()
@@ -192,7 +190,7 @@ class MooncakeTier(RemoteTier):
         want = [(0, layout.payload_bytes)] if ranges is None else [(a, b) for a, b in ranges]
         units = units_in_ranges(layout, want)
         body = sum(b - a for a, b in want)
-        known: list[bytes | None] = [None] * len(keys) if ranges is None else self._known_headers(keys)
+        known: list[PageHeader | None] = [None] * len(keys) if ranges is None else self._headers.get(keys)
         sizes = [body + (hdr if h is None else 0) for h in known]
         half = self._staging.nbytes // 2
         if max(sizes, default=0) > half:
@@ -214,22 +212,6 @@ class MooncakeTier(RemoteTier):
             if landing is not None:
                 out += self._land(*landing, keys, known, layout, outs, hdr, want, units)
         return out
-
-    def _known_headers(self, keys: Sequence[PageKey]) -> list[bytes | None]:
-        with self._lock:
-            return [self._headers.get(k) for k in keys]
-
-    def _keep_header(self, key: PageKey, raw: bytes) -> None:
-        with self._lock:
-            self._headers[key] = raw
-            self._headers.move_to_end(key)
-            while len(self._headers) > HEADERS_KEPT:
-                self._headers.popitem(last=False)
-
-    def _forget_headers(self, keys: Sequence[PageKey]) -> None:
-        with self._lock:
-            for k in keys:
-                self._headers.pop(k, None)
 
     def _fetch(self, client, names: list[str], offsets: list[int], heads: list[bool], hdr: int,
                want: list[tuple[int, int]], whole: bool) -> list[bool]:
@@ -351,7 +333,7 @@ class MooncakeTier(RemoteTier):
             raise TierUnavailableError(f"{self.name}: master {self.master} unreachable ({rcs[0]})")
 
     def _land(self, moving: Future, r: Sequence[int], offsets: list[int], keys: Sequence[PageKey],
-              known: list[bytes | None], layout: GroupLayout, outs: Sequence, hdr: int,
+              known: list[PageHeader | None], layout: GroupLayout, outs: Sequence, hdr: int,
               want: list[tuple[int, int]], units: list[int]) -> list:
         """A batch's pages from staging into their ``outs`` once Mooncake moved them, each verified
         right after its copy (a :class:`Checked` header, kept for later reads of the page), or its
@@ -365,7 +347,7 @@ class MooncakeTier(RemoteTier):
                 results.append(None)
                 continue
             pos = offsets[j]
-            raw = known[i]
+            raw: bytes | PageHeader | None = known[i]
             if raw is None:
                 raw = bytes(self._staging[pos : pos + hdr])
                 pos += hdr
@@ -378,9 +360,9 @@ class MooncakeTier(RemoteTier):
                 continue
             got = self._verified(keys[i], raw, layout, dst, units)
             if isinstance(got, Checked):
-                self._keep_header(keys[i], raw)
+                self._headers.put(keys[i], got.header)
             else:  # (its object may have gone or changed since the session found it: start afresh)
-                self._forget_headers([keys[i]])
+                self._headers.forget([keys[i]])
                 self._leave_session([self._name(keys[i])])
             results.append(got)
         return results
@@ -414,7 +396,7 @@ class MooncakeTier(RemoteTier):
         return stored
 
     def _delete(self, keys: Sequence[PageKey]) -> int:
-        self._forget_headers(keys)
+        self._headers.forget(keys)
         names = [self._name(k) for k in keys]
         self._leave_session(names)
         return sum(rc == 0 for rc in self._run(lambda c: c.batch_remove(names, True)))

@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -60,7 +59,7 @@ from lmkv.page import PageHeader, as_bytes_view, unpack_header
 from lmkv.tiers import remote
 from lmkv.tiers.base import Range
 from lmkv.tiers.redis_nodes import ClusterNodes
-from lmkv.tiers.remote import RemoteTier, batches
+from lmkv.tiers.remote import HeaderCache, RemoteTier, batches
 
 #: packed headers kept client-side (about 200 bytes each for an 8-layer page)
 HEADER_CACHE = 65536
@@ -161,8 +160,7 @@ class RedisTier(RemoteTier):
         self._node_kwargs = _cluster(cfg)[1] if self.cluster else {}
         self._prefix = cfg.key_prefix
         self._px = int(cfg.ttl * 1000) if cfg.ttl else None
-        self._headers: OrderedDict[bytes, PageHeader] = OrderedDict()
-        self._headers_lock = threading.Lock()
+        self._headers = HeaderCache(HEADER_CACHE)
         self._loop = asyncio.new_event_loop()
         self._thread = threads.start(self._loop.run_forever, "lmkv-redis")
         self._client: Any = None if self.cluster else self._run_plain(self._make_client(), cfg.connect_timeout + 1)
@@ -299,22 +297,6 @@ class RedisTier(RemoteTier):
         found = self._per_node(names, job)
         return [found.get(i, False) for i in range(len(keys))]
 
-    def _cached_header(self, key: PageKey) -> PageHeader | None:
-        with self._headers_lock:
-            h = self._headers.get(key)
-            if h is not None:
-                self._headers.move_to_end(key)
-            return h
-
-    def _remember(self, key: PageKey, header: PageHeader | None) -> None:
-        with self._headers_lock:
-            if header is None:
-                self._headers.pop(key, None)
-                return
-            self._headers[key] = header
-            if len(self._headers) > HEADER_CACHE:
-                self._headers.popitem(last=False)
-
     def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               ranges: Sequence[Range] | None) -> list:
         """Whole pages one at a time (a 2 MiB value per reply measured fastest); ranges of many
@@ -346,7 +328,7 @@ class RedisTier(RemoteTier):
         """Pages (or their ``ranges``) in one round trip: a single command where it can (one page
         whose header is cached, one range), else one pipeline with the headers not cached yet."""
         want = [(0, layout.payload_bytes)] if ranges is None else list(ranges)
-        headers = [self._cached_header(k) for k in keys]
+        headers: list = self._headers.get(keys)
         names = [self._names(k) for k in keys]
         if len(keys) == 1 and headers[0] is not None and len(want) == 1:
             p = names[0][1]
@@ -373,13 +355,13 @@ class RedisTier(RemoteTier):
         if header is None:
             return None
         if not parts[0]:  # gone, or Redis evicted the payload but not the header
-            self._remember(key, None)
+            self._headers.forget([key])
             reader.delete(*names)
             return None
         dst = as_bytes_view(out)
         for (a, b), part in zip(want, parts):
             if len(part) != b - a:
-                self._remember(key, None)
+                self._headers.forget([key])
                 return b""  # a short page: the header check rejects it
             dst[a:b] = part
         if not isinstance(header, PageHeader):
@@ -387,7 +369,7 @@ class RedisTier(RemoteTier):
                 header = unpack_header(header, expect_key=key, layout=layout)
             except PageError:
                 return header  # the caller's check counts and drops it
-        self._remember(key, header)
+        self._headers.put(key, header)
         return header
 
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:
@@ -424,7 +406,7 @@ class RedisTier(RemoteTier):
                 for j, i in enumerate(idx):
                     if ok[j]:
                         if replies[i] is True:
-                            self._remember(pages[i][0].key, pages[i][0])
+                            self._headers.put(pages[i][0].key, pages[i][0])
                         else:
                             self._refused(replies[i])
                             ok[j] = False
@@ -446,8 +428,7 @@ class RedisTier(RemoteTier):
             self.stats.errors += 1
 
     def _delete(self, keys: Sequence[PageKey]) -> int:
-        for k in keys:
-            self._remember(k, None)
+        self._headers.forget(keys)
         names = [self._names(k) for k in keys]
 
         async def job(client, idx: list[int]) -> list[int]:

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from abc import abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -142,6 +143,38 @@ class BufferedSession(WriteSession):
         self._bufs = []
 
 
+class HeaderCache:
+    """The headers of pages a remote tier read or wrote lately, the least recently used dropped
+    beyond ``capacity``; thread-safe. A page's key names its content, so a header kept verifies
+    every later read of the page's ranges without reading the header again (a layerwise load's
+    later spans); a tier forgets a page's header when the page fails it or is deleted."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._headers: OrderedDict[PageKey, PageHeader] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, keys: Sequence[PageKey]) -> list[PageHeader | None]:
+        with self._lock:
+            out = [self._headers.get(k) for k in keys]
+            for k, h in zip(keys, out):
+                if h is not None:
+                    self._headers.move_to_end(k)
+            return out
+
+    def put(self, key: PageKey, header: PageHeader) -> None:
+        with self._lock:
+            self._headers[key] = header
+            self._headers.move_to_end(key)
+            while len(self._headers) > self.capacity:
+                self._headers.popitem(last=False)
+
+    def forget(self, keys: Sequence[PageKey]) -> None:
+        with self._lock:
+            for k in keys:
+                self._headers.pop(k, None)
+
+
 @dataclass(frozen=True)
 class Checked:
     """A read whose header a subclass already parsed and whose payload it already verified
@@ -208,11 +241,12 @@ class RemoteTier(Tier):
     def _fetch_usage(self) -> tuple[int, int, int]:
         """(used bytes, capacity bytes, pages), for stats."""
 
-    def _verified(self, key: PageKey, raw: bytes, layout: GroupLayout, out, units: list[int]):
-        """Parse and verify one page a subclass landed (while the next is still on its way):
-        :class:`Checked`, or its raw header for :meth:`_check` to count and drop."""
+    def _verified(self, key: PageKey, raw: bytes | PageHeader, layout: GroupLayout, out, units: list[int]):
+        """Parse (unless ``raw`` is a header already parsed) and verify one page a subclass landed
+        (while the next is still on its way): :class:`Checked`, or ``raw`` for :meth:`_check` to
+        count and drop."""
         try:
-            h = unpack_header(raw, expect_key=key, layout=layout)
+            h = raw if isinstance(raw, PageHeader) else unpack_header(raw, expect_key=key, layout=layout)
             verify_units(h, layout, out, units)
         except PageError:
             return raw
