@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -63,6 +64,16 @@ SESSION_IDLE_S = 0.5
 SESSION_KEYS = 65536
 
 
+@dataclass
+class _InSession:
+    """An object in the client's get session: whether the session's start found it, when it was last
+    read, and the reads holding it now (an object is ended only once none does)."""
+
+    found: bool
+    used: float
+    reads: int = 0
+
+
 def master_address(url: str) -> str:
     parts = urlsplit(url)
     if not parts.hostname or not parts.port:
@@ -92,9 +103,8 @@ class MooncakeTier(RemoteTier):
         self._staging = np.zeros(int(self.mc.staging_size), np.uint8)
         self._staging_lock = threading.Lock()
         self._headers = HeaderCache(HEADERS_KEPT)  # (the pages verified reads found: see _read)
-        # the client's get session, per object (Mooncake keeps it per key): name -> [found by the
-        # start, last read, reads in flight], least recently read first (see _session)
-        self._session_keys: OrderedDict[str, list] = OrderedDict()
+        # the client's get session, per object (Mooncake keeps it per key), least recently read first
+        self._session_keys: OrderedDict[str, _InSession] = OrderedDict()
         self._sessions_lock = threading.Lock()
 
     # -- the client ------------------------------------------------------------
@@ -264,17 +274,16 @@ class MooncakeTier(RemoteTier):
         with self._sessions_lock:
             keys = self._session_keys
             idle = []
-            for n, (_, used, busy) in keys.items():  # (least recently read first)
-                if now - used <= SESSION_IDLE_S:
+            for n, e in keys.items():  # (least recently read first)
+                if now - e.used <= SESSION_IDLE_S:
                     break
-                if not busy:
+                if not e.reads:
                     idle.append(n)
             for n in idle:
                 del keys[n]
             new = [n for n in names if n not in keys]
             for n in names:  # (held: no other read ends them meanwhile)
-                entry = keys.setdefault(n, [False, now, 0])
-                entry[2] += 1
+                keys.setdefault(n, _InSession(False, now)).reads += 1
         self._end(client, idle)
         if new:
             try:
@@ -285,9 +294,9 @@ class MooncakeTier(RemoteTier):
                 raise
             with self._sessions_lock:
                 for n, rc in zip(new, started):
-                    self._session_keys[n][0] = rc >= 0
+                    self._session_keys[n].found = rc >= 0
         with self._sessions_lock:
-            return [i for i, n in enumerate(names) if self._session_keys[n][0]]
+            return [i for i, n in enumerate(names) if self._session_keys[n].found]
 
     def _done_with(self, client, names: list[str], failed: list[str]) -> None:
         """A read of ``names`` is over: each stays in the session, but those in ``failed`` (and the
@@ -297,13 +306,13 @@ class MooncakeTier(RemoteTier):
         with self._sessions_lock:
             keys = self._session_keys
             for n in names:
-                entry = keys[n]
-                entry[1], entry[2] = now, entry[2] - 1
+                e = keys[n]
+                e.used, e.reads = now, e.reads - 1
                 keys.move_to_end(n)
             over = len(keys) - SESSION_KEYS
-            ended = [n for n in bad if not keys[n][2]]
+            ended = [n for n in bad if not keys[n].reads]
             if over > 0:
-                ended += [n for n, e in itertools.islice(keys.items(), over) if not e[2] and n not in bad]
+                ended += [n for n, e in itertools.islice(keys.items(), over) if not e.reads and n not in bad]
             for n in ended:
                 del keys[n]
         self._end(client, ended)
@@ -311,7 +320,7 @@ class MooncakeTier(RemoteTier):
     def _leave_session(self, names: list[str]) -> None:
         """These objects out of the get session now, unless a read holds them."""
         with self._sessions_lock:
-            gone = [n for n in names if n in self._session_keys and not self._session_keys[n][2]]
+            gone = [n for n in names if n in self._session_keys and not self._session_keys[n].reads]
             for n in gone:
                 del self._session_keys[n]
         with self._lock:
