@@ -16,19 +16,13 @@ from conftest import make_pages
 from lmkv.config import load_config
 from lmkv.dev.redis_server import start_cluster, start_redis
 from lmkv.dev.server_process import spawn
+from lmkv.dev.signals import pause
 from lmkv.errors import LMKVError
 from lmkv.store import TieredStore
 from lmkv.tiers.redis_nodes import ClusterNodes
 
 TIMEOUT = 1.0
 MARGIN = 0.5
-
-
-def _stop(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while "T (stopped)" not in open(f"/proc/{pid}/status").read() and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 @pytest.fixture(params=["server", "redis"])
@@ -61,7 +55,7 @@ def test_a_call_to_a_stalled_backend_keeps_its_deadline(backend, layout, call):
     with TieredStore(cfg) as store:
         tier = store.tiers[-1]
         assert tier.put(pages, "engine") == [True] * 4  # (healthy: connected, pages there)
-        _stop(backend.pid)
+        pause(backend.pid, 5)
         t0 = time.monotonic()
         try:
             CALLS[call](tier, keys, pages, layout)
@@ -84,7 +78,7 @@ def test_write_through_to_a_stalled_backend_keeps_its_deadline(backend, layout):
     keys, payloads, _ = make_pages(layout, 8)
     with TieredStore(cfg) as store:
         store.put(keys[:1], [layout], payloads[:1])
-        _stop(backend.pid)
+        pause(backend.pid, 5)
         t0 = time.monotonic()
         with store.open_session(keys[1:], [layout] * 7) as session:
             for i, p in enumerate(payloads[1:]):
@@ -125,7 +119,7 @@ def test_a_cluster_write_with_a_stalled_node_keeps_its_deadline(layout):
         with TieredStore(cfg) as store:
             tier = store.tiers[-1]
             assert tier.put(pages[:1], "engine") == [True]
-            _stop(cluster.procs[1].pid)
+            pause(cluster.procs[1].pid, 5)
             try:
                 t0 = time.monotonic()
                 try:

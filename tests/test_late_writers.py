@@ -20,6 +20,7 @@ from conftest import make_pages
 
 from lmkv.config import load_config
 from lmkv.dev.server_process import ServerProcess, spawn
+from lmkv.dev.signals import pause
 from lmkv.layout import attention_layout
 from lmkv.page import make_header, verify_payload
 from lmkv.store import TieredStore
@@ -84,12 +85,6 @@ def _held_in_server(store: TieredStore, n: int, seed: int):
     return keys, payloads
 
 
-def stop(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until it is stopped (the signal takes effect after ``kill`` returns)."""
-    os.kill(pid, signal.SIGSTOP)
-    assert _wait(lambda: "T (stopped)" in open(f"/proc/{pid}/status").read(), 5)
-
-
 def _pause_when(server: ServerProcess, monkeypatch, after_replies: int, after_s: float = 0.0) -> None:
     """SIGSTOP the server once a same-host read has read ``after_replies`` of its replies (0: as the
     read goes out, or ``after_s`` seconds later), once."""
@@ -97,17 +92,17 @@ def _pause_when(server: ServerProcess, monkeypatch, after_replies: int, after_s:
     real_read, real_reply = ServerTier._read, server_client.Connection.reply
     seen = [0]
 
-    def pause():
+    def pause_once():
         if armed[0]:
             armed[0] = False
-            stop(server.proc.pid)
+            assert pause(server.proc.pid, 5)
 
     def read(self, *a, **kw):
         seen[0] = 0
         if after_replies == 0 and after_s:
-            threading.Timer(after_s, pause).start()
+            threading.Timer(after_s, pause_once).start()
         elif after_replies == 0:
-            pause()
+            pause_once()
         return real_read(self, *a, **kw)
 
     def reply(self, typ):
@@ -115,7 +110,7 @@ def _pause_when(server: ServerProcess, monkeypatch, after_replies: int, after_s:
         if typ is server_client.GetReply:
             seen[0] += 1
             if seen[0] == after_replies:
-                pause()
+                pause_once()
         return out
 
     monkeypatch.setattr(ServerTier, "_read", read)

@@ -211,6 +211,7 @@ def test_a_same_host_server_stalled_mid_load_changes_no_page_the_engine_is_serve
     import time
 
     from lmkv.dev.server_process import spawn
+    from lmkv.dev.signals import pause
     from lmkv.engine.stores import live_stores
     from lmkv.page import verify_payload
     from lmkv.tiers.server_client import ServerTier
@@ -235,9 +236,7 @@ def test_a_same_host_server_stalled_mid_load_changes_no_page_the_engine_is_serve
             def read(self, *args, **kw):
                 if not paused:
                     paused.append(time.monotonic())
-                    os.kill(server.proc.pid, signal.SIGSTOP)
-                    while "T (stopped)" not in open(f"/proc/{server.proc.pid}/status").read():
-                        time.sleep(0.001)  # (a stop takes effect after kill returns)
+                    assert pause(server.proc.pid)
                 return real_read(self, *args, **kw)
 
             monkeypatch.setattr(ServerTier, "_read", read)
@@ -308,9 +307,7 @@ def test_a_mooncake_master_lost_as_a_load_goes_out_is_a_recompute_with_identical
                         m.signal(signal.SIGKILL)
                         m.proc.wait()
                     else:
-                        m.signal(signal.SIGSTOP)
-                        while "T (stopped)" not in open(f"/proc/{m.proc.pid}/status").read():
-                            time.sleep(0.001)
+                        m.signal(signal.SIGSTOP)  # (waits until it is stopped)
                 return real_read(self, keys, *args, **kw)
 
             monkeypatch.setattr(MooncakeTier, "_read", read)

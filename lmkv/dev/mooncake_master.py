@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmkv.dev.redis_server import free_port
+from lmkv.dev.signals import pause
 
 
 def _binary(name: str = "mooncake_master") -> str:
@@ -42,20 +43,13 @@ class MooncakeMaster:
         return f"mooncake://127.0.0.1:{self.port}"
 
     def signal(self, sig: int) -> None:
-        """Send ``sig``; a SIGSTOP is waited for (up to 2 s) until the process is stopped: the kernel
-        stops it after ``kill`` returns, and a request sent in between is still answered."""
+        """Send ``sig``; a SIGSTOP is waited for (up to 2 s) until the process is stopped
+        (:func:`lmkv.dev.signals.pause`)."""
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-            deadline = time.monotonic() + 2.0
-            while sig == signal.SIGSTOP and time.monotonic() < deadline and not self._stopped():
-                time.sleep(0.001)
-
-    def _stopped(self) -> bool:
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                return any(line.startswith("State:") and "T" in line.split()[1] for line in f)
-        except OSError:
-            return False
+            if sig == signal.SIGSTOP:
+                pause(self.proc.pid, 2.0)
+            else:
+                os.kill(self.proc.pid, sig)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
