@@ -121,11 +121,35 @@ class _Gathered:
     unit_lens: Any
 
 
-#: what the kernels need for the runs lists copied lately, made once per list: (id(runs), device) ->
-#: (runs, (blocks, pages, rest)) as CuPy index arrays, and per digested gather its :class:`_Gathered`;
-#: the worker's background loads use it from their own threads
+#: what the kernels need for the runs lists copied lately (:func:`_once`): per list and device its
+#: CuPy index arrays, per digested gather its :class:`_Gathered`; the worker's background loads use
+#: it from their own threads
 _INDEX_CACHE: dict = {}
 _INDEX_LOCK = threading.Lock()
+
+
+def _once(key: tuple, runs: Sequence, make: Callable[[], Any]) -> Any:
+    """What ``make`` makes for ``runs`` under ``key``, made once while the list is in use (a step
+    copies the same runs for every layer); the cache holds the list, which keeps its id from being
+    reused, and the last 8 such lists (a step's loads and stores, per group)."""
+    with _INDEX_LOCK:
+        hit = _INDEX_CACHE.get(key)
+    if hit is not None and hit[0] is runs:
+        return hit[1]
+    made = make()
+    with _INDEX_LOCK:
+        if len(_INDEX_CACHE) >= 8:
+            _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
+        _INDEX_CACHE[key] = (runs, made)
+    return made
+
+
+def _device_int64(value: int, device: torch.device):
+    """A one-element CuPy int64 array on ``device`` holding ``value`` (filled there: no host copy
+    that could wait for the stream)."""
+    import cupy
+
+    return cupy.asarray(torch.full((1,), value, dtype=torch.int64, device=device))
 
 
 def _stream(device):
@@ -170,13 +194,11 @@ class KernelLayerBlocks:
         self._ptr: Any = None  # (a CuPy int64 array: the layer's address)
 
     def _indices(self, runs: Sequence):
-        """The blocks and page addresses the kernel can copy (device tensors), and the runs it cannot;
-        made once for a list of runs (a step copies the same runs for every layer)."""
-        key = (id(runs), self.tensor.device)
-        with _INDEX_LOCK:
-            hit = _INDEX_CACHE.get(key)
-        if hit is not None and hit[0] is runs:
-            return hit[1]
+        """The blocks and page addresses the kernel can copy (CuPy arrays), and the runs it cannot;
+        made once for a list of runs (:func:`_once`)."""
+        return _once((id(runs), self.tensor.device), runs, lambda: self._make_indices(runs))
+
+    def _make_indices(self, runs: Sequence):
         blocks: list[int] = []
         pages: list[int] = []
         rest = []
@@ -191,12 +213,7 @@ class KernelLayerBlocks:
 
         dev = self.tensor.device
         # (as CuPy arrays: the kernel's launch takes them as they are, layer after layer)
-        made = (cupy.asarray(to_device(blocks, dev)), cupy.asarray(to_device(pages, dev)), rest)
-        with _INDEX_LOCK:
-            if len(_INDEX_CACHE) >= 8:  # a step's loads and stores, per group: a few lists at a time
-                _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
-            _INDEX_CACHE[key] = (runs, made)  # (holding the list keeps its id from being reused)
-        return made
+        return cupy.asarray(to_device(blocks, dev)), cupy.asarray(to_device(pages, dev)), rest
 
     def _copy(self, runs: Sequence, start: int, to_pages: bool) -> list:
         blocks, pages, rest = self._indices(runs)
@@ -210,10 +227,7 @@ class KernelLayerBlocks:
         if not len(blocks):
             return
         if self._ptr is None:
-            import cupy
-
-            self._ptr = cupy.asarray(torch.full((1,), self.tensor.data_ptr(), dtype=torch.int64,
-                                                device=self.tensor.device))
+            self._ptr = _device_int64(self.tensor.data_ptr(), self.tensor.device)
         # the tensor's device, not the thread's current one (a store I/O thread's is device 0)
         with cupy_device(self.tensor.device):
             block_copy(self._ptr, blocks, pages, block_stride=self.block_stride, shape=self.shape,
@@ -251,10 +265,9 @@ class KernelLayerBlocks:
         runs and reused for every layer a step stores (a layer's copies are queued on one stream
         behind the previous layer's, so they may share the buffer)."""
         key = ("gathered", id(runs), tuple(units), self.tensor.device, self.nbytes, stream.ptr)
-        with _INDEX_LOCK:
-            hit = _INDEX_CACHE.get(key)
-        if hit is not None and hit[0] is runs:
-            return hit[1]
+        return _once(key, runs, lambda: self._make_gathered(units, n))
+
+    def _make_gathered(self, units: Sequence[tuple[int, int]], n: int) -> _Gathered:
         import cupy
 
         dev = self.tensor.device
@@ -265,19 +278,14 @@ class KernelLayerBlocks:
         slots = torch.arange(n, dtype=torch.int64, device=dev)
         starts = to_device([a for a, _ in units], dev)
         lens = to_device([b - a for a, b in units], dev)
-        made = _Gathered(
+        return _Gathered(
             staging=staging,
-            base=cupy.asarray(torch.full((1,), base, dtype=torch.int64, device=dev)),
+            base=_device_int64(base, dev),
             slots=cupy.asarray(slots),
             slot_ptrs=cupy.asarray(slots * self.nbytes + base),
             unit_ptrs=cupy.asarray((slots[:, None] * self.nbytes + base + starts[None, :]).reshape(-1)),
             unit_lens=cupy.asarray(lens.repeat(n)),
         )
-        with _INDEX_LOCK:
-            if len(_INDEX_CACHE) >= 8:
-                _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
-            _INDEX_CACHE[key] = (runs, made)
-        return made
 
     def scatter(self, runs: Sequence, start: int) -> None:
         """Queue the copy of each run's pages' ``[start:start + nbytes]`` into its blocks."""
