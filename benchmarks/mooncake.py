@@ -10,6 +10,8 @@ A real ``mooncake_master`` on loopback and two clients in this process: lmkv's t
 - ``mooncake.get_layer.2MiB``: one layer's range of every page (what a layerwise load asks for a
   span), verified; baseline: a raw get session (``batch_get_session_start``, then
   ``batch_get_into_multi_buffer_ranges`` of the same ranges, then ``batch_get_session_end``).
+  lmkv's rounds after the first read as a layerwise load's later spans do: in the get session
+  the first one started, against the headers it kept.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ def _size(report: Report, tier, raw, reg: np.ndarray, label: str, page: int, n: 
         return gbps(n * (b - a), timed(lambda: tier.get_ranges(keys, lay, [(a, b)], outs)))
 
     def raw_layer() -> float:
-        def ranged() -> None:  # (the calls lmkv's ranged read makes, less the headers it reads to verify)
+        # (a whole ranged read on its own: lmkv's rounds after the first are a layerwise load's later
+        # spans, read in the session and against the headers its first round kept)
+        def ranged() -> None:
             raw.batch_get_session_start(names)
             raw.batch_get_into_multi_buffer_ranges(names, [[x] for x in ptrs], [[b - a]] * n,
                                                    [[header_bytes(lay) + a]] * n)
