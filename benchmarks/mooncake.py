@@ -1,12 +1,17 @@
 """``lmkv bench mooncake``: the Mooncake Store tier beside raw Mooncake client calls.
 
-A real ``mooncake_master`` on loopback and two clients in this process: lmkv's tier, and a raw
-``MooncakeDistributedStore`` with a registered buffer (the baseline). Per round, the same pages:
+A real ``mooncake_master`` on loopback and two clients in this process, each contributing a
+segment (objects land in either, as across a cluster's nodes): lmkv's tier, given a memory arena
+as a store gives it its memory tier's (registered with Mooncake), and a peer. The baseline is raw
+calls of lmkv's own client (``MooncakeDistributedStore``) into a buffer registered with it: the same
+objects from the same segments, so placement favours neither side. Per round, the same pages:
 
-- ``mooncake.put.2MiB``: ``MooncakeTier.put`` of 2 MiB pages (header and payload, one object
-  each); baseline: ``batch_put_from`` of objects of the same sizes from registered memory.
-- ``mooncake.get.2MiB`` / ``mooncake.get.256KiB``: ``MooncakeTier.get`` into plain buffers, every
+- ``mooncake.put.2MiB``: ``MooncakeTier.put`` of 2 MiB pages from arena slots (header and
+  payload, one object each); baseline: ``batch_put_from`` of objects of the same sizes from
+  registered memory.
+- ``mooncake.get.2MiB`` / ``mooncake.get.256KiB``: ``MooncakeTier.get`` into arena slots, every
   page verified; baseline: ``batch_get_into`` of the same objects into registered memory.
+  ``.unverified``: the same with ``remote.verify`` off (what the checksums cost is the gap).
 - ``mooncake.get_layer.2MiB``: one layer's range of every page (what a layerwise load asks for a
   span), verified; baseline: a raw get session (``batch_get_session_start``, then
   ``batch_get_into_multi_buffer_ranges`` of the same ranges, then ``batch_get_session_end``).
@@ -17,6 +22,7 @@ A real ``mooncake_master`` on loopback and two clients in this process: lmkv's t
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 
@@ -25,8 +31,14 @@ from lmkv.benchmarks.tiers import bench_layout, random_keys
 from lmkv.config import RemoteConfig
 from lmkv.dev.mooncake_master import start_master
 from lmkv.page import make_header
+from lmkv.tiers.arena import HostArena
+from lmkv.tiers.base import TierStats
+from lmkv.tiers.quarantine import Quarantine
 
 log = logging.getLogger("lmkv.bench.mooncake")
+
+#: the tier's arena: room for 2 x 32 pages of 2 MiB (read into, written from)
+ARENA_BYTES = 128 << 20
 
 
 def run(quick: bool = False) -> Report:
@@ -42,24 +54,29 @@ def run(quick: bool = False) -> Report:
     with start_master() as master:
         mc = {"segment_size": 1 << 30, "local_buffer_size": 64 << 20, "staging_size": 128 << 20}
         tier = MooncakeTier(RemoteConfig(url=master.url, timeout=30, mooncake=mc))
-        raw = MooncakeDistributedStore()
-        if raw.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 30, 64 << 20, "tcp", "", master.url.split("//")[1]) != 0:
-            raise RuntimeError("the raw Mooncake client could not set up")
+        arena = HostArena(ARENA_BYTES, "never")
+        tier.share_arena(arena, Quarantine(threading.Lock(), lambda *_: None, ARENA_BYTES, TierStats()))
+        peer = MooncakeDistributedStore()
+        if peer.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 30, 64 << 20, "tcp", "", master.url.split("//")[1]) != 0:
+            raise RuntimeError("the peer Mooncake client could not set up")
+        raw = tier._client()
         reg = np.zeros(160 << 20, np.uint8)
         if raw.register_buffer(reg.ctypes.data, reg.nbytes) != 0:
-            raise RuntimeError("the raw Mooncake client could not register its buffer")
+            raise RuntimeError("lmkv's Mooncake client could not register the baseline's buffer")
         try:
-            _size(report, tier, raw, reg, "2MiB", 2 << 20, 16 if quick else 32, rounds)
-            _size(report, tier, raw, reg, "256KiB", 256 << 10, 128, rounds)
+            _size(report, tier, raw, reg, arena.buf, "2MiB", 2 << 20, 16 if quick else 32, rounds)
+            _size(report, tier, raw, reg, arena.buf, "256KiB", 256 << 10, 128, rounds)
         finally:
             raw.unregister_buffer(reg.ctypes.data)
-            raw.close()
             tier.close()
+            peer.close()
     return report
 
 
-def _size(report: Report, tier, raw, reg: np.ndarray, label: str, page: int, n: int, rounds: int) -> None:
-    """One page size's figures (``raw``: a Mooncake client with ``reg`` registered)."""
+def _size(report: Report, tier, raw, reg: np.ndarray, arena: np.ndarray, label: str, page: int, n: int,
+          rounds: int) -> None:
+    """One page size's figures (``raw``: the tier's client, with ``reg`` registered; ``arena``: the
+    tier's, its first ``n`` pages read into, the next ``n`` written from)."""
     from lmkv.tiers.mooncake import header_bytes
 
     lay = bench_layout(page)
@@ -70,8 +87,11 @@ def _size(report: Report, tier, raw, reg: np.ndarray, label: str, page: int, n: 
         raise RuntimeError("the Mooncake tier refused pages")
     names = [tier._name(k) for k in keys]
     ptrs = [reg.ctypes.data + i * obj for i in range(n)]
-    outs = [np.zeros(page, np.uint8) for _ in range(n)]
-    what = "raw MooncakeDistributedStore calls of the same objects into registered memory, same run"
+    outs = [arena[i * page : (i + 1) * page] for i in range(n)]
+    srcs = [arena[(n + i) * page : (n + i + 1) * page] for i in range(n)]
+    for src, p in zip(srcs, payloads):
+        src[:] = p
+    what = "raw calls of the same client for the same objects, into registered memory, same run"
 
     def get() -> float:
         return gbps(n * page, timed(lambda: tier.get(keys, lay, outs)))
@@ -83,6 +103,12 @@ def _size(report: Report, tier, raw, reg: np.ndarray, label: str, page: int, n: 
     if not all(np.array_equal(o, p) for o, p in zip(outs, payloads)):
         raise RuntimeError("the Mooncake tier read wrong bytes")
     report.add(f"mooncake.get.{label}", ours, "GB/s", base, what)
+    tier.verifies = False
+    try:
+        ours, base = interleaved(rounds, get, raw_get)
+    finally:
+        tier.verifies = True
+    report.add(f"mooncake.get.{label}.unverified", ours, "GB/s", base, what)
     if label != "2MiB":
         return
     a, b = lay.layer_range(lay.num_layers // 2)
@@ -106,7 +132,7 @@ def _size(report: Report, tier, raw, reg: np.ndarray, label: str, page: int, n: 
 
     def put() -> float:
         fresh = random_keys(n)
-        todo = [(make_header(k, lay, p), p) for k, p in zip(fresh, payloads)]  # (untimed)
+        todo = [(make_header(k, lay, p), src) for k, p, src in zip(fresh, payloads, srcs)]  # (untimed)
         took = timed(lambda: tier.put(todo, "bench"))
         tier.delete(fresh)
         return gbps(n * page, took)

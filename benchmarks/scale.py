@@ -52,13 +52,13 @@ from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import header_of_digests, make_header
 from lmkv.store import TieredStore
+from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import TierStats
 from lmkv.tiers.disk import DiskTier
 from lmkv.tiers.memory import MemoryTier
 from lmkv.tiers.page_files import DiskView
 from lmkv.tiers.quarantine import Quarantine
 from lmkv.tiers.server_client import ServerTier
-from lmkv.wire import shm_window
 from lmkv.wire.protocol import recv_exact
 
 log = logging.getLogger("lmkv.bench.scale")
@@ -314,7 +314,7 @@ def _batches(report: Report, url: str, rounds: int) -> None:
     tcp = ServerTier(RemoteConfig(url=url, shm="never"), "bench")
     shm = ServerTier(RemoteConfig(url=url, shm="auto"), "bench")
     tcp.put([(make_header(k, lay, p), p) for k, p in zip(keys, payloads)], "bench")
-    arena = shm_window.create(n * page, "lmkv-bench-arena")
+    arena = HostArena(n * page, "never", shared=True)
     shm.share_arena(arena, Quarantine(threading.Lock(), lambda *_: None, n * page, TierStats()))
     in_arena = [arena.buf[i * page : (i + 1) * page] for i in range(n)]
     outs = [np.zeros(page, np.uint8) for _ in range(n)]
@@ -328,7 +328,6 @@ def _batches(report: Report, url: str, rounds: int) -> None:
     report.add("server.shm.get_batch", s, "GB/s", t, f"the same GET of {n} x 64 KiB over TCP, same run")
     for x in (tcp, shm):
         x.close()
-    arena.close()
 
 
 def _write_through(report: Report, url: str, port: str, rounds: int) -> None:

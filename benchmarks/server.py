@@ -38,10 +38,10 @@ from lmkv.config import RemoteConfig
 from lmkv.dev.load_test import run_load
 from lmkv.dev.server_process import spawn
 from lmkv.page import make_header
+from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import TierStats
 from lmkv.tiers.quarantine import Quarantine
 from lmkv.tiers.server_client import ServerTier
-from lmkv.wire import shm_window
 from lmkv.wire.protocol import PROTOCOL_VERSION, Hello, Keys, Op, encode, frame, read_frame, recv_exact
 
 log = logging.getLogger("lmkv.bench.server")
@@ -152,7 +152,7 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
         with spawn("--memory", "2GiB") as server:
             tcp = ServerTier(RemoteConfig(url=server.url, shm="never"))
             shm = ServerTier(RemoteConfig(url=server.url, shm="auto"))
-            arena = shm_window.create(n * PAGE, "lmkv-bench-arena")
+            arena = HostArena(n * PAGE, "never", shared=True)
             shm.share_arena(arena, Quarantine(threading.Lock(), lambda *_: None, n * PAGE, TierStats()))
             arena_outs = [arena.buf[i * PAGE : (i + 1) * PAGE] for i in range(n)]
             arena_srcs = [arena.buf[(n - 1 - i) * PAGE : (n - i) * PAGE] for i in range(n)]
@@ -210,7 +210,6 @@ def run(quick: bool = False, directory: str | None = None) -> Report:
             report.add(f"server.exists.batch{2 * n}", exists_batch, "keys/s")
             tcp.close()
             shm.close()
-            arena.close()
             log.info("load test: %d clients for %.0f s", load_clients, load_seconds)
             res = run_load(server.url, load_clients, load_seconds, bench_layout(256 << 10), keys_per_client=32)
             report.add("load.pages_checked", res.pages_checked, "pages")

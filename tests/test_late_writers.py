@@ -279,14 +279,14 @@ def test_a_server_that_ends_a_connection_has_stopped_copying_into_its_memory(lay
     from lmkv.config import RemoteConfig
     from lmkv.errors import TierUnavailableError
     from lmkv.serve.server import Server
+    from lmkv.tiers.arena import HostArena
     from lmkv.tiers.base import TierStats
     from lmkv.tiers.quarantine import Quarantine
-    from lmkv.wire import shm_window
 
     srv = Server(load_config({"server": {"port": 0}, "memory": {"capacity": "64MiB"}}, environ={}))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     tier = ServerTier(RemoteConfig(url=f"lmkv://127.0.0.1:{srv.port}", timeout=10))
-    arena = shm_window.create(4 << 20, "test-arena")
+    arena = HostArena(4 << 20, "never", shared=True)
     settled: list = []
     quarantine = Quarantine(threading.Lock(), lambda *a: None, 4 << 20, TierStats())
     tier.share_arena(arena, quarantine)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -20,6 +21,9 @@ from lmkv.dev.mooncake_master import start_master
 from lmkv.dev.redis_server import free_port
 from lmkv.errors import TierUnavailableError
 from lmkv.page import make_header
+from lmkv.tiers.arena import HostArena
+from lmkv.tiers.base import TierStats
+from lmkv.tiers.quarantine import Quarantine
 
 pytest.importorskip("mooncake.store")
 
@@ -95,9 +99,9 @@ def test_a_pages_header_is_read_once_and_verifies_its_later_ranges(tier, layout,
     asked: list[list[int]] = []
     real = tier._fetch
 
-    def fetch(client, names, offsets, heads, hdr, want, whole):
-        asked.append(list(heads))
-        return real(client, names, offsets, heads, hdr, want, whole)
+    def fetch(client, names, ptrs, lens, srcs, whole):
+        asked.append([src[0] == 0 for src in srcs])  # (whether the header was asked for: it is at offset 0)
+        return real(client, names, ptrs, lens, srcs, whole)
 
     monkeypatch.setattr(tier, "_fetch", fetch)
     outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
@@ -204,6 +208,48 @@ def test_a_stalled_master_costs_one_timeout_then_fails_fast(layout):
         while not t.health.up and time.monotonic() < deadline:
             time.sleep(0.1)
         assert t.health.up and t.contains(keys) == [True, True]
+        t.close()
+
+
+def test_pages_move_between_mooncake_and_the_arena_directly_and_a_call_given_up_on_keeps_its_slots(layout):
+    """With the memory tier's arena shared, pages written from arena slots leave from there and pages
+    read into arena slots land there, whole or by ranges: staging takes their headers only. A read
+    given up on (the master stalled past ``remote.timeout``) keeps the slots it was lent in the
+    quarantine until the call returns, and later calls use a new staging buffer."""
+    with start_master() as m:
+        t = _tier(m.url, timeout=1.0)
+        arena = HostArena(1 << 20, "never")
+        quarantine = Quarantine(threading.Lock(), lambda *a: None, 1 << 20, TierStats())
+        t.share_arena(arena, quarantine)
+        keys, payloads, pages = make_pages(layout, 4, seed=8)
+        size = layout.payload_bytes
+        slots = [arena.buf[i * size : (i + 1) * size] for i in range(8)]
+        for slot, p in zip(slots, payloads):
+            slot[:] = p
+        assert t.put([(h, slot) for (h, _), slot in zip(pages, slots)], "engine") == [True] * 4
+        headers = 4 * header_bytes(layout)
+        staging = t._staging
+        assert staging[:headers].any() and not staging[headers:].any()  # (no payload went through staging)
+        assert all(h is not None for h in t.get(keys, layout, slots[4:]))
+        assert all((o == p).all() for o, p in zip(slots[4:], payloads))
+        a, b = layout.layer_range(1)
+        for slot in slots[4:]:
+            slot[:] = 0
+        assert all(h is not None for h in t.get_ranges(keys, layout, [(a, b)], slots[4:]))
+        assert all((o[a:b] == p[a:b]).all() and not o[:a].any() for o, p in zip(slots[4:], payloads))
+        assert not staging[headers:].any()
+        m.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(TierUnavailableError):
+                t.get(keys, layout, slots[4:])
+            assert quarantine.held == 4 and t._staging is not staging
+        finally:
+            m.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while (quarantine.held or not t.health.up) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert quarantine.held == 0
+        assert all(h is not None for h in t.get(keys, layout, slots[4:]))
         t.close()
 
 

@@ -46,14 +46,14 @@ def open_tiers(cfg: LMKVConfig, on_evict: EvictHook | None = None, lower: Sequen
                accounts: Mapping[str, Accounts] | None = None) -> tuple[MemoryTier, list[Tier]]:
     """The memory tier and the tiers below it, fastest first: the disk tier if configured, then
     ``lower``, then ``remote.url``'s tier. Tiers named under ``faults`` come wrapped in their
-    fault injectors. A same-host lmkv server is given the memory tier's arena to write into.
+    fault injectors. The remote tier is given the memory tier's arena to move pages into and out of.
     ``accounts``: per local tier ("memory", "disk"), who pages are charged to and the limits."""
     accounts = accounts or {}
     remote = open_remote(cfg.remote, cfg.namespace)
     share = remote is not None and remote.wants_arena
     memory = MemoryTier(cfg.memory, on_evict=on_evict, shared=share, accounts=accounts.get("memory"))
-    if remote is not None and share and memory.arena_window is not None:
-        remote.share_arena(memory.arena_window, memory.quarantine)
+    if remote is not None:
+        remote.share_arena(memory.arena, memory.quarantine)
     below: list[Tier] = [DiskTier(cfg.disk, accounts=accounts.get("disk"))] if cfg.disk.path else []
     below.extend(lower)
     if remote is not None:

@@ -125,9 +125,9 @@ class MemoryTier(LocalTier):
         return self._arena.device_visible(address, nbytes)
 
     @property
-    def arena_window(self):
-        """The arena's shared-memory window (None unless shared and not pinned)."""
-        return self._arena.window
+    def arena(self) -> HostArena:
+        """The arena pages live in (its ``window``: shared memory, unless page-locked or not shared)."""
+        return self._arena
 
     def _view(self, e: _Entry) -> np.ndarray:
         return self._arena.view(e.offset, e.header.payload_len)

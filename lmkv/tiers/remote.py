@@ -37,7 +37,9 @@ from lmkv.page import (
     verify_payload,
     verify_units,
 )
+from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range, Tier, WriteSession
+from lmkv.tiers.quarantine import Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -199,12 +201,15 @@ class RemoteTier(Tier):
 
     @property
     def wants_arena(self) -> bool:
-        """Whether the store should give this tier its memory arena to write into (lmkv server, same host)."""
+        """Whether the memory tier's arena should be a shared-memory window this tier's backend can
+        map (a same-host lmkv server: :meth:`share_arena` is then given one)."""
         return False
 
-    def share_arena(self, window, quarantine) -> None:
-        """Let the backend write pages straight into the memory tier's arena (see ``wants_arena``);
-        slots lent to a request given up on wait in ``quarantine`` (:mod:`lmkv.tiers.quarantine`)."""
+    def share_arena(self, arena: HostArena, quarantine: Quarantine) -> None:
+        """Let the backend move pages straight into and out of the memory tier's ``arena`` (a same-host
+        lmkv server maps its window; Mooncake registers its memory); slots lent to a request given up
+        on wait in ``quarantine`` (:mod:`lmkv.tiers.quarantine`). Without it, pages cross a buffer of
+        the tier's own."""
 
     def __init__(self, name: str, cfg: RemoteConfig) -> None:
         super().__init__(name)

@@ -39,6 +39,7 @@ from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import Chunk, PageHeader, as_bytes_view, landing_chunks, units_in_ranges, unpack_header, verify_units
 from lmkv.tiers import remote
+from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
 from lmkv.tiers.quarantine import Quarantine
 from lmkv.tiers.remote import Checked, RemoteTier, batches
@@ -105,11 +106,13 @@ class ServerTier(RemoteTier):
     def wants_arena(self) -> bool:
         return self.cfg.shm == "auto" and is_loopback(self.host)
 
-    def share_arena(self, window: shm_window.Window, quarantine: Quarantine) -> None:
-        """The server copies pages straight into ``window`` (the memory tier's arena); slots lent to a
-        request this client gives up on wait in ``quarantine`` until the server is done with them."""
-        self._arena = window
-        self._quarantine = quarantine
+    def share_arena(self, arena: HostArena, quarantine: Quarantine) -> None:
+        """The server copies pages straight into the memory tier's ``arena`` when it is a shared-memory
+        window (:attr:`wants_arena`); slots lent to a request this client gives up on wait in
+        ``quarantine`` until the server is done with them."""
+        if arena.window is not None:
+            self._arena = arena.window
+            self._quarantine = quarantine
 
     @contextmanager
     def _conn(self):
