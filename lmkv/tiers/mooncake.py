@@ -256,7 +256,8 @@ class MooncakeTier(RemoteTier):
                             for i, pos in zip(r, offsets)]
                     names = [self._name(keys[i]) for i in r]
                     lent = [(direct[i], layout.payload_bytes) for i in r] if direct else []
-                    call = self._calls.submit(self._fetch, client, names, *map(list, zip(*plan)), ranges is None)
+                    ptrs, lens, srcs = ([p[k] for p in plan] for k in range(3))
+                    call = self._calls.submit(self._fetch, client, names, ptrs, lens, srcs, ranges is None)
                     moving.append(_Moving(call, lent))
                     if landing is not None:
                         out += self._land(*landing, keys, known, layout, outs, hdr, want, units, direct is None)
@@ -488,8 +489,7 @@ class MooncakeTier(RemoteTier):
                     names.append(self._name(h.key))
                     at += staged[i]
                 lent = [(direct[i], len(pages[i][1])) for i in r] if direct else []
-                call = _Moving(self._calls.submit(lambda c, n=names, p=ptrs, z=lens:
-                                                  c.batch_put_from_multi_buffers(n, p, z), client), lent)
+                call = _Moving(self._calls.submit(client.batch_put_from_multi_buffers, names, ptrs, lens), lent)
                 try:
                     rcs = self._wait(call.fut)
                 except BaseException:
