@@ -333,15 +333,23 @@ def test_a_store_writes_through_to_mooncake_and_loads_from_it(layout):
     from lmkv.config import load_config
     from lmkv.store import TieredStore
 
-    keys, payloads, pages = make_pages(layout, 4, seed=5)
+    keys, payloads, _ = make_pages(layout, 4, seed=5)
     with start_master() as m, TieredStore(load_config({"memory": {"capacity": "16MiB"}, "remote": {
             "url": m.url, "mooncake": {"segment_size": 64 << 20, "local_buffer_size": 16 << 20,
                                        "staging_size": 8 << 20}}}, environ={})) as store:
-        store.put_pages(pages)
+        with store.open_session(keys, [layout] * 4) as session:  # (an engine's store: pages land in memory slots)
+            for i, p in enumerate(payloads):
+                session.buffer(i)[:] = p
+            session.commit()
         store.drain()
         store.memory.delete(keys)
         assert store.lookup(keys).tiers == ("mooncake",) * 4
+        with store.fetch(keys, layout) as fetched:  # (an engine's load: into memory slots, promoted)
+            assert all((np.asarray(v) == p).all() for v, p in zip(fetched.views, payloads))
+        staging = store.tiers[-1]._staging  # (pages went from and into the memory tier's arena: headers alone here)
+        assert not staging[4 * header_bytes(layout) :].any()
         outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        store.memory.delete(keys)
         assert all(h is not None for h in store.get(keys, layout, outs))
         assert all((o == p).all() for o, p in zip(outs, payloads))
 
