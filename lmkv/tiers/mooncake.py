@@ -305,7 +305,11 @@ class MooncakeTier(RemoteTier):
             if self._quarantine is not None:
                 self._quarantine.hold(m.lent, m.fut)
         old, self._staging = self._staging, np.zeros_like(self._staging)
-        if client.register_buffer(self._staging.ctypes.data, self._staging.nbytes) != 0:
+        try:
+            registered = client.register_buffer(self._staging.ctypes.data, self._staging.nbytes) == 0
+        except (RuntimeError, ValueError):
+            registered = False
+        if not registered:
             with self._lock:  # (the next call connects afresh and registers the new staging)
                 if self._store is client:
                     self._store = None
