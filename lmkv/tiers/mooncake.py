@@ -53,9 +53,8 @@ from lmkv.layout import GroupLayout
 from lmkv.page import FIXED_BYTES, PageHeader, num_units, units_in_ranges
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
-from lmkv.tiers.quarantine import Quarantine
+from lmkv.tiers.quarantine import Quarantine, lendable
 from lmkv.tiers.remote import Checked, HeaderCache, RemoteTier, batches
-from lmkv.wire.shm_window import offset_in
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +238,10 @@ class MooncakeTier(RemoteTier):
         out: list = []
         with self._staging_lock:
             client = self._client()
-            arena, direct = self._arena_offsets(outs)
-            staged = [(hdr if h is None else 0) + (0 if direct else body) for h in known]  # (what lands in staging)
+            arena = self._arena
+            direct = lendable(arena, self._quarantine, outs)  # (offsets in the arena: pages land there)
+            place = 0 if arena is None else arena.ctypes.data
+            staged = [(hdr if h is None else 0) + (body if direct is None else 0) for h in known]  # (into staging)
             half = self._staging.nbytes // 2
             if max(staged, default=0) > half:
                 raise TierUnavailableError(f"{self.name}: a {max(staged)}-byte page does not fit half of "
@@ -252,10 +253,10 @@ class MooncakeTier(RemoteTier):
                     at = (n % 2) * half
                     offsets = [at + int(o) for o in np.cumsum([0] + [staged[i] for i in r[:-1]])]
                     plan = [self._plan(known[i] is None, hdr, want, self._staging.ctypes.data + pos,
-                                       None if direct is None else arena + direct[i])
+                                       None if direct is None else place + direct[i])
                             for i, pos in zip(r, offsets)]
                     names = [self._name(keys[i]) for i in r]
-                    lent = [(direct[i], layout.payload_bytes) for i in r] if direct else []
+                    lent = [] if direct is None else [(direct[i], layout.payload_bytes) for i in r]
                     ptrs, lens, srcs = ([p[k] for p in plan] for k in range(3))
                     call = self._calls.submit(self._fetch, client, names, ptrs, lens, srcs, ranges is None)
                     moving.append(_Moving(call, lent))
@@ -284,16 +285,6 @@ class MooncakeTier(RemoteTier):
             at += b - a
         return ptrs, lens, srcs
 
-    def _arena_offsets(self, bufs: Sequence) -> tuple[int, list[int] | None]:
-        """The registered arena's address and every buffer's offset in it, if all lie inside, unless
-        the quarantine is full (then slots are not lent to Mooncake: a call given up on may write
-        into them later); (0, None): the buffers go through staging."""
-        arena = self._arena
-        if arena is None or self._quarantine is None or self._quarantine.full or not bufs:
-            return 0, None
-        offsets = [offset_in(arena, b) for b in bufs]
-        return (0, None) if any(o is None for o in offsets) else (arena.ctypes.data, offsets)  # type: ignore[return-value]
-
     def _abandon(self, client, moving: Sequence[_Moving]) -> None:
         """Calls given up on (a timeout, an error on the way) may still move bytes: the arena slots they
         were lent stay in the quarantine until each returns, and the staging buffer they were given
@@ -301,8 +292,8 @@ class MooncakeTier(RemoteTier):
         running = [m for m in moving if not m.fut.done()]
         if not running:
             return
-        for m in running:
-            if self._quarantine is not None:
+        if self._quarantine is not None:
+            for m in running:
                 self._quarantine.hold(m.lent, m.fut)
         old, self._staging = self._staging, np.zeros_like(self._staging)
         try:
@@ -471,8 +462,10 @@ class MooncakeTier(RemoteTier):
         stored: list[bool] = []
         with self._staging_lock:
             client = self._client()
-            arena, direct = self._arena_offsets([v for _, v in pages])
-            staged = hdrs if direct else [z + len(v) for z, (_, v) in zip(hdrs, pages)]
+            arena = self._arena
+            direct = lendable(arena, self._quarantine, [v for _, v in pages])  # (pages leave from there)
+            place = 0 if arena is None else arena.ctypes.data
+            staged = hdrs if direct is not None else [z + len(v) for z, (_, v) in zip(hdrs, pages)]
             if max(staged, default=0) > self._staging.nbytes:
                 raise TierUnavailableError(f"{self.name}: a {max(staged)}-byte page does not fit "
                                            "remote.mooncake.staging_size")
@@ -483,8 +476,8 @@ class MooncakeTier(RemoteTier):
                     h, v = pages[i]
                     packed = h.pack()
                     self._staging[at : at + hdrs[i]] = np.frombuffer(packed, np.uint8)
-                    if direct:
-                        ptrs.append([base + at, arena + direct[i]])
+                    if direct is not None:
+                        ptrs.append([base + at, place + direct[i]])
                         lens.append([hdrs[i], len(v)])
                     else:
                         self._staging[at + hdrs[i] : at + staged[i]] = np.frombuffer(v, np.uint8)
@@ -492,7 +485,7 @@ class MooncakeTier(RemoteTier):
                         lens.append([staged[i]])
                     names.append(self._name(h.key))
                     at += staged[i]
-                lent = [(direct[i], len(pages[i][1])) for i in r] if direct else []
+                lent = [] if direct is None else [(direct[i], len(pages[i][1])) for i in r]
                 call = _Moving(self._calls.submit(client.batch_put_from_multi_buffers, names, ptrs, lens), lent)
                 try:
                     rcs = self._wait(call.fut)

@@ -51,7 +51,10 @@ from concurrent import futures
 from concurrent.futures import Executor, Future
 from typing import TypeVar
 
+import numpy as np
+
 from lmkv.tiers.base import TierStats
+from lmkv.wire.shm_window import offset_in
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +139,16 @@ class Quarantine:
                     self._free(off, *freed)
             if not self.full:
                 self._warned = False
+
+
+def lendable(arena: np.ndarray | None, quarantine: Quarantine | None, bufs: Sequence) -> list[int] | None:
+    """Offsets of every buffer in ``arena`` if all lie inside it and its slots may be lent to a writer
+    that could finish late (``quarantine`` is there and not full); None: the buffers go through a
+    buffer of the lender's own (a writer that stalls again then strands no more slots)."""
+    if arena is None or quarantine is None or quarantine.full:
+        return None
+    offsets = [offset_in(arena, b) for b in bufs]
+    return None if any(o is None for o in offsets) else offsets  # type: ignore[return-value]
 
 
 def settled_map(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:

@@ -41,7 +41,7 @@ from lmkv.page import Chunk, PageHeader, as_bytes_view, landing_chunks, units_in
 from lmkv.tiers import remote
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
-from lmkv.tiers.quarantine import Quarantine
+from lmkv.tiers.quarantine import Quarantine, lendable
 from lmkv.tiers.remote import Checked, RemoteTier, batches
 from lmkv.tiers.server_connection import Connection, UnixEndpoint
 from lmkv.wire import shm_window
@@ -240,12 +240,9 @@ class ServerTier(RemoteTier):
         return out
 
     def _arena_offsets(self, c: Connection, bufs: Sequence) -> list[int] | None:
-        """Offsets of every buffer in the shared arena, if the server mapped it and all lie inside,
-        unless the quarantine is full (then slots are not lent to the server: it may stall again)."""
-        if not c.arena or self._arena is None or self._quarantine is None or self._quarantine.full:
-            return None
-        offsets = [shm_window.offset_in(self._arena.buf, b) for b in bufs]
-        return None if any(o is None for o in offsets) else offsets  # type: ignore[return-value]
+        """Offsets of every buffer in the shared arena, if the server mapped it (see
+        :func:`~lmkv.tiers.quarantine.lendable`)."""
+        return lendable(self._arena.buf, self._quarantine, bufs) if c.arena and self._arena is not None else None
 
     def _verified_chunk(self, pages: list[tuple[PageKey, bytes | None, object]], layout: GroupLayout,
                         units: list[int]) -> list:
