@@ -77,11 +77,7 @@ class PageHeader:
         return self.disk_header_bytes + padded(self.payload_len)
 
     def pack(self) -> bytes:
-        fixed = _FIXED.pack(
-            MAGIC, VERSION, 0, self.header_bytes, self.num_units,
-            self.layout_fp, self.payload_len, self.checksum, self.key, 0,
-        )
-        return fixed + self.digests
+        return _pack(self.key, self.layout_fp, self.payload_len, self.digests, self.checksum)
 
     def unit_digest(self, unit: int) -> int:
         return int.from_bytes(self.digests[8 * unit : 8 * unit + 8], "little")
@@ -147,6 +143,17 @@ def header_of_digests(key: PageKey, layout: GroupLayout, digests: bytes) -> Page
     return PageHeader(key, fp, plen, digests, _header_checksum(key, fp, plen, digests))
 
 
+def _pack(key: bytes, layout_fp: int, payload_len: int, digests: bytes, checksum: int) -> bytes:
+    n = len(digests)
+    return _FIXED.pack(MAGIC, VERSION, 0, FIXED_BYTES + n, n // 8, layout_fp, payload_len, checksum, key, 0) + digests
+
+
+def packed_as(header: PageHeader, key: bytes) -> bytes:
+    """``rekey(header, key).pack()`` without the header in between (every page a server GET answers)."""
+    fp, plen, digests = header.layout_fp, header.payload_len, header.digests
+    return _pack(key, fp, plen, digests, _header_checksum(key, fp, plen, digests))
+
+
 def rekey(header: PageHeader, key: PageKey) -> PageHeader:
     """The same page under another key (the server's namespace-qualified key and back):
     only the header checksum is recomputed, the payload digests stay."""
@@ -207,11 +214,14 @@ def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterab
     view = as_bytes_view(payload)
     if len(view) < header.payload_len:
         raise ShortReadError(f"payload has {len(view)} bytes, header says {header.payload_len}")
-    units = list(units)
+    if not isinstance(units, (range, list, tuple)):
+        units = list(units)
     got = _digests(layout, view, units)
-    first = units[0] if units else 0
-    if units == list(range(first, first + len(units))):  # (one comparison for a run of units: every GET's case)
-        if struct.pack(f"<{len(got)}Q", *got) == header.digests[8 * first : 8 * (first + len(units))]:
+    # A run of units (every GET's and every landing chunk's case: a ``range``) is one comparison.
+    if isinstance(units, list) and units and units == list(range(units[0], units[0] + len(units))):
+        units = range(units[0], units[0] + len(units))
+    if isinstance(units, range) and units.step == 1 and len(units):
+        if struct.pack(f"<{len(got)}Q", *got) == header.digests[8 * units.start : 8 * units.stop]:
             return
     for u, d in zip(units, got):
         if d != header.unit_digest(u):
@@ -246,7 +256,7 @@ LANDING_CHUNK_BYTES = 256 << 10
 
 
 #: a run of whole units: (start, end, the units in it)
-Chunk = tuple[int, int, tuple[int, ...]]
+Chunk = tuple[int, int, range]
 
 
 def landing_chunks(layout: GroupLayout, ranges: Sequence[tuple[int, int]]) -> tuple[Chunk, ...]:
@@ -261,13 +271,13 @@ def landing_chunks(layout: GroupLayout, ranges: Sequence[tuple[int, int]]) -> tu
 def _landing_chunks(layout: GroupLayout, ranges: tuple[tuple[int, int], ...]) -> tuple[Chunk, ...]:
     out: list[Chunk] = []
     for a, b in ranges:
-        start, units = a, []
-        for u in units_in_ranges(layout, [(a, b)]):
-            units.append(u)
+        start, first = a, None
+        for u in units_in_ranges(layout, [(a, b)]):  # (consecutive units: one range is a run)
+            first = u if first is None else first
             end = layout.unit_ranges[u][1]
             if end - start >= LANDING_CHUNK_BYTES or end == b:
-                out.append((start, end, tuple(units)))
-                start, units = end, []
+                out.append((start, end, range(first, u + 1)))
+                start, first = end, None
     return tuple(out)
 
 
@@ -277,13 +287,13 @@ def units_of_layers(layout: GroupLayout, layers: Iterable[int]) -> list[int]:
     return [layer * n + s for layer in layers for s in range(n)]
 
 
-def units_in_ranges(layout: GroupLayout, ranges: Iterable[tuple[int, int]]) -> list[int]:
+def units_in_ranges(layout: GroupLayout, ranges: Iterable[tuple[int, int]]) -> Sequence[int]:
     """Unit indices covered by byte ranges; a range must start and end on unit boundaries, and the
     ranges come in increasing order without overlapping: each unit is named at most once, so what
     ranges expand to is bounded by the page (a peer's request cannot multiply it)."""
     bounds = unit_ranges(layout)
     if isinstance(ranges, (list, tuple)) and len(ranges) == 1 and tuple(ranges[0]) == (0, layout.payload_bytes):
-        return list(range(len(bounds)))  # (the whole page: the common case)
+        return range(len(bounds))  # (the whole page: the common case)
     starts = layout.unit_starts
     out: list[int] = []
     prev_end = 0
@@ -299,4 +309,6 @@ def units_in_ranges(layout: GroupLayout, ranges: Iterable[tuple[int, int]]) -> l
             u += 1
         if bounds[u - 1][1] != end:
             raise ValueError(f"range [{start}, {end}) does not end on a unit of group {layout.name!r}")
+    if out and out[-1] - out[0] == len(out) - 1:  # (increasing, so one run: verified in one comparison)
+        return range(out[0], out[-1] + 1)
     return out

@@ -88,9 +88,9 @@ def test_layerwise_verification_checks_only_the_layers_read(layout):
 
 
 def test_units_in_ranges(layout):
-    assert units_in_ranges(layout, [layout.layer_range(0), layout.layer_range(3, 1)]) == [0, 1, 7]
+    assert list(units_in_ranges(layout, [layout.layer_range(0), layout.layer_range(3, 1)])) == [0, 1, 7]
     s, e = layout.layer_range(1)
-    assert units_in_ranges(layout, [(s, layout.layer_range(2)[1])]) == [2, 3, 4, 5]
+    assert units_in_ranges(layout, [(s, layout.layer_range(2)[1])]) == range(2, 6)  # (a run: one comparison)
     with pytest.raises(ValueError):
         units_in_ranges(layout, [(s + 1, e)])
     with pytest.raises(ValueError):

@@ -34,7 +34,7 @@ from lmkv.domains import check_namespace, qualified
 from lmkv.errors import PageError, TierFullError
 from lmkv.keys import KEY_BYTES, PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
-from lmkv.page import PageHeader, rekey, units_in_ranges, unpack_header
+from lmkv.page import PageHeader, packed_as, rekey, units_in_ranges, unpack_header
 from lmkv.serve.admission import AuthFailures
 from lmkv.serve.tenants import Counters, Tenant, Tenants
 from lmkv.store import TieredStore
@@ -205,12 +205,12 @@ class Client:
                         pass
                     return
                 try:
-                    req = decode_request(op, meta)
-                    if self.tenant is None and op != Op.HELLO:
+                    known, req = decode_request(op, meta)
+                    if self.tenant is None and known is not Op.HELLO:
                         raise Refused("the first request must be HELLO")
-                    if op in PAGE_OPS and self.ns_seed is None:
+                    if known in PAGE_OPS and self.ns_seed is None:
                         raise Refused("the admin token grants stats and clears, not pages")
-                    self.handle(Op(op), req, bulk, store)
+                    self.handle(known, req, bulk, store)
                 except (Refused, ValueError) as e:  # refused before its bulk was read: drop the bulk
                     if bulk:
                         discard(self.sock, bulk)
@@ -347,8 +347,11 @@ class Client:
         max_bulk = int(self.server.cfg.server.max_bulk)
         if layout.payload_bytes > max_bulk:
             raise Refused(f"a page of {layout.payload_bytes} bytes exceeds max_bulk {max_bulk}")
-        ranges = [(0, layout.payload_bytes)] if req.ranges is None else [tuple(r) for r in req.ranges]
-        units_in_ranges(layout, ranges)  # ValueError -> refused: ranges must be whole units
+        if req.ranges is None:
+            ranges = [(0, layout.payload_bytes)]
+        else:
+            ranges = [tuple(r) for r in req.ranges]
+            units_in_ranges(layout, ranges)  # ValueError -> refused: ranges must be whole units
         dst = self.destinations(req, layout.payload_bytes)
         per_page = sum(b - a for a, b in ranges)
         # A layerwise load reads each page in several ranged GETs, layer order: one read, one access
@@ -361,7 +364,7 @@ class Client:
                 if v is None or h is None:
                     headers.append(None)
                     continue
-                headers.append(rekey(h, k).pack())
+                headers.append(packed_as(h, k))
                 found.append((i, v))
             counters = self.counters
             counters.hits += len(found)

@@ -53,7 +53,12 @@ class Lease:
         self._entries = entries
         self.headers = [e.header if e else None for e in entries]
         self.views = [tier._view(e) if e else None for e in entries]
-        self.owners = [tier._domains.names(e.domains) if e else [] for e in entries]
+
+    @property
+    def owners(self) -> list[list[str]]:
+        """Per page, the residency domains that own it (asked for by write-back alone: not computed
+        for every load), read while the lease holds the pages."""
+        return [self._tier._domains.names(e.domains) if e else [] for e in self._entries]
 
     def release(self) -> None:
         if self._entries:

@@ -21,7 +21,9 @@ quarantine (:mod:`lmkv.tiers.quarantine`) until the server is known to be done w
 
 from __future__ import annotations
 
+import functools
 import logging
+import queue
 import select
 import socket
 import threading
@@ -81,6 +83,16 @@ def parse_url(url: str) -> tuple[str, int, bool]:
     return parts.hostname, parts.port, parts.scheme == "lmkvs"
 
 
+@functools.lru_cache(maxsize=1024)
+def _read_plan(layout: GroupLayout, ranges: tuple[tuple[int, int], ...] | None
+               ) -> tuple[tuple[tuple[int, int], ...], Sequence[int], int, tuple[Chunk, ...]]:
+    """What a read of ``ranges`` (None: whole pages) of ``layout``'s pages needs, worked out once per
+    layout and ranges (a one-page GET is ~100 µs; this was several of them): the ranges, their
+    units, bytes per page and landing chunks."""
+    want = ((0, layout.payload_bytes),) if ranges is None else ranges
+    return want, units_in_ranges(layout, want), sum(b - a for a, b in want), landing_chunks(layout, want)
+
+
 class ServerTier(RemoteTier):
     """``lmkv serve`` as a tier: a pool of connections, shared memory on the server's host.
 
@@ -94,7 +106,11 @@ class ServerTier(RemoteTier):
         self.namespace = namespace
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(cfg.max_connections)
+        # A token per connection a caller may hold (a queue of them: taking and returning one is a
+        # C call, where a semaphore's acquire and release are Python, a few µs of every request)
+        self._slots: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(cfg.max_connections):
+            self._slots.put(None)
         self._layouts: dict[int, LayoutMsg] = {}
         self._arena: shm_window.Window | None = None
         self._quarantine: Quarantine | None = None  # where slots lent to an abandoned request wait
@@ -117,8 +133,10 @@ class ServerTier(RemoteTier):
     @contextmanager
     def _conn(self):
         """A pooled connection; any transport failure drops it and means the server is unreachable."""
-        if not self._slots.acquire(timeout=self.cfg.timeout):
-            raise TierBusyError(f"{self.name}: all {self.cfg.max_connections} connections busy")
+        try:
+            self._slots.get(timeout=self.cfg.timeout)
+        except queue.Empty:
+            raise TierBusyError(f"{self.name}: all {self.cfg.max_connections} connections busy") from None
         conn = None
         try:
             with self._lock:
@@ -144,7 +162,7 @@ class ServerTier(RemoteTier):
             elif conn is not None:
                 with self._lock:
                     self._idle.append(conn)
-            self._slots.release()
+            self._slots.put(None)
 
     def _drop(self, conn: Connection) -> None:
         """A connection given up on mid-request: closed, unless the server may still copy into arena
@@ -293,11 +311,9 @@ class ServerTier(RemoteTier):
 
     def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               ranges: Sequence[Range] | None) -> list:
-        want = [(0, layout.payload_bytes)] if ranges is None else [(a, b) for a, b in ranges]
-        units = units_in_ranges(layout, want)
-        per_page = sum(b - a for a, b in want)
+        want, units, per_page, chunks = _read_plan(layout, None if ranges is None else tuple(map(tuple, ranges)))
         msg = self._layout_msg(layout)
-        wire_ranges = None if ranges is None else want
+        wire_ranges = None if ranges is None else list(want)
         out: list = []
         with self._conn() as c:
             dst = self._arena_offsets(c, outs)
@@ -308,7 +324,6 @@ class ServerTier(RemoteTier):
                 step = min(MAX_KEYS, len(c.window) // layout.payload_bytes)
             else:
                 step = max(1, min(MAX_KEYS, c.max_bulk // per_page))
-            chunks = landing_chunks(layout, want)
             for i in range(0, len(keys), step):
                 batch, dsts = list[bytes](keys[i : i + step]), [as_bytes_view(o) for o in outs[i : i + step]]
                 c.send(Op.GET, Get(batch, msg, wire_ranges, staged))

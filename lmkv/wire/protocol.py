@@ -85,13 +85,14 @@ class RemoteError(LMKVError):
 # -- metadata ------------------------------------------------------------------
 
 
-class LayoutMsg(msgspec.Struct, array_like=True):
-    """A group layout on the wire (a GET names the layout its pages must have)."""
+class LayoutMsg(msgspec.Struct, array_like=True, frozen=True):
+    """A group layout on the wire (a GET names the layout its pages must have). Frozen, so it is
+    hashable: the server maps a message to its layout through a cache keyed by the message."""
 
     name: str
     kind: str
     num_layers: int
-    segments: list[tuple[str, int]]
+    segments: tuple[tuple[str, int], ...]
     tokens_per_page: int
     dtype: str
     tp_size: int
@@ -104,7 +105,7 @@ class LayoutMsg(msgspec.Struct, array_like=True):
 
     @classmethod
     def of(cls, lay: GroupLayout) -> LayoutMsg:
-        return cls(lay.name, lay.kind.value, lay.num_layers, [(s.name, s.nbytes) for s in lay.segments],
+        return cls(lay.name, lay.kind.value, lay.num_layers, tuple((s.name, s.nbytes) for s in lay.segments),
                    lay.tokens_per_page, lay.dtype, lay.tp_size, lay.tp_rank, lay.tp_replicas,
                    lay.sliding_window, lay.growth.value, lay.pp_size, lay.pp_rank)
 
@@ -112,19 +113,17 @@ class LayoutMsg(msgspec.Struct, array_like=True):
         """The layout, validated and bounded (raises ValueError on anything inconsistent); the same
         object for the same message (a connection's GETs name one layout over and over, and a
         layout's derived ranges are computed once)."""
-        if not 0 < len(self.segments) <= 64 or not 0 < self.num_layers * len(self.segments) <= MAX_UNITS:
-            raise ValueError(f"{self.num_layers} layers x {len(self.segments)} segments is out of bounds")
-        return _layout(self.name, self.kind, self.num_layers, tuple(tuple(s) for s in self.segments),
-                       self.tokens_per_page, self.dtype, self.tp_size, self.tp_rank, self.tp_replicas,
-                       self.sliding_window, self.growth, self.pp_size, self.pp_rank)
+        return _layout(self)
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(name: str, kind: str, num_layers: int, segments: tuple, tokens_per_page: int, dtype: str, tp_size: int,
-            tp_rank: int, tp_replicas: int, sliding_window: int | None, growth: str, pp_size: int,
-            pp_rank: int) -> GroupLayout:
-    return GroupLayout(name, StateKind(kind), num_layers, tuple(Segment(n, b) for n, b in segments), tokens_per_page,
-                       dtype, tp_size, tp_rank, tp_replicas, sliding_window, Growth(growth), pp_size, pp_rank)
+def _layout(m: LayoutMsg) -> GroupLayout:
+    """(A message that raises is not cached: a bad one costs its sender each time, not the cache.)"""
+    if not 0 < len(m.segments) <= 64 or not 0 < m.num_layers * len(m.segments) <= MAX_UNITS:
+        raise ValueError(f"{m.num_layers} layers x {len(m.segments)} segments is out of bounds")
+    return GroupLayout(m.name, StateKind(m.kind), m.num_layers, tuple(Segment(n, b) for n, b in m.segments),
+                       m.tokens_per_page, m.dtype, m.tp_size, m.tp_rank, m.tp_replicas, m.sliding_window,
+                       Growth(m.growth), m.pp_size, m.pp_rank)
 
 
 class Hello(msgspec.Struct):
@@ -231,7 +230,10 @@ REQUESTS: dict[Op, type] = {
     Op.HELLO: Hello, Op.EXISTS: Keys, Op.GET: Get, Op.PUT: Put, Op.DELETE: Keys,
     Op.CLEAR: Clear, Op.STATS: Empty, Op.PING: Empty,
 }
-_decoders: dict[Op, msgspec.msgpack.Decoder] = {op: msgspec.msgpack.Decoder(t) for op, t in REQUESTS.items()}
+#: keyed by the op's number as it comes off the wire (an ``Op(n)`` per request costs more than the decode)
+_decoders: dict[int, tuple[Op, msgspec.msgpack.Decoder]] = {
+    int(op): (op, msgspec.msgpack.Decoder(t)) for op, t in REQUESTS.items()
+}
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -239,18 +241,18 @@ def encode(obj) -> bytes:
     return _encoder.encode(obj)
 
 
-def decode_request(op: int, meta: bytes):
-    """Decode and type-check a request's metadata; raises ValueError with the reason."""
+def decode_request(op: int, meta: bytes) -> tuple[Op, msgspec.Struct]:
+    """The request's op and its metadata, decoded and type-checked; raises ValueError with the reason."""
     try:
-        dec = _decoders[Op(op)]
-    except ValueError:
+        known, dec = _decoders[op]
+    except KeyError:
         raise ValueError(f"unknown op {op}") from None
     try:
-        return dec.decode(meta)
+        return known, dec.decode(meta)
     except msgspec.DecodeError as e:
-        raise ValueError(f"bad {Op(op).name} request: {e}") from None
+        raise ValueError(f"bad {known.name} request: {e}") from None
     except RecursionError:  # metadata nested deeper than any request is
-        raise ValueError(f"bad {Op(op).name} request: nested too deeply") from None
+        raise ValueError(f"bad {known.name} request: nested too deeply") from None
 
 
 def decode_reply(meta: bytes, typ: type):
