@@ -98,7 +98,7 @@ def disk_page_bytes(layout: GroupLayout) -> int:
     return disk_header_bytes(layout) + padded(layout.payload_bytes)
 
 
-def _header_checksum(key: PageKey, layout_fp: int, payload_len: int, digests: bytes) -> int:
+def _header_checksum(key: bytes, layout_fp: int, payload_len: int, digests: bytes) -> int:
     return xxhash.xxh3_64_intdigest(
         key + layout_fp.to_bytes(8, "little") + payload_len.to_bytes(8, "little") + digests
     )

@@ -421,7 +421,7 @@ class MooncakeTier(RemoteTier):
 
     def _land(self, moving: _Moving, r: Sequence[int], offsets: list[int], keys: Sequence[PageKey],
               known: list[PageHeader | None], layout: GroupLayout, outs: Sequence, hdr: int,
-              want: list[tuple[int, int]], units: list[int], staged: bool) -> list:
+              want: list[tuple[int, int]], units: Sequence[int], staged: bool) -> list:
         """A batch's pages once Mooncake moved them: copied from staging into their ``outs`` when
         ``staged`` (else they landed there), each verified right after (a :class:`Checked` header,
         kept for later reads of the page), or its raw header for the caller's check to count and drop

@@ -246,7 +246,7 @@ class RemoteTier(Tier):
     def _fetch_usage(self) -> tuple[int, int, int]:
         """(used bytes, capacity bytes, pages), for stats."""
 
-    def _verified(self, key: PageKey, raw: bytes | PageHeader, layout: GroupLayout, out, units: list[int]):
+    def _verified(self, key: PageKey, raw: bytes | PageHeader, layout: GroupLayout, out, units: Sequence[int]):
         """Parse (unless ``raw`` is a header already parsed) and verify one page a subclass landed
         (while the next is still on its way): :class:`Checked`, or ``raw`` for :meth:`_check` to
         count and drop."""
@@ -275,7 +275,7 @@ class RemoteTier(Tier):
     def contains(self, keys: Sequence[PageKey]) -> list[bool]:
         return self._call(self._exists, keys) if keys else []
 
-    def _check(self, key: PageKey, raw, layout: GroupLayout, out, units: list[int] | None,
+    def _check(self, key: PageKey, raw, layout: GroupLayout, out, units: Sequence[int] | None,
                nbytes: int) -> PageHeader | None:
         """Parse and verify what a read returned; a bad page is counted, deleted and a miss."""
         if raw is None:

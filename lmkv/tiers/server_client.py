@@ -263,13 +263,13 @@ class ServerTier(RemoteTier):
         return lendable(self._arena.buf, self._quarantine, bufs) if c.arena and self._arena is not None else None
 
     def _verified_chunk(self, pages: list[tuple[PageKey, bytes | None, object]], layout: GroupLayout,
-                        units: list[int]) -> list:
+                        units: Sequence[int]) -> list:
         """:meth:`_verified` for each page of one chunk's reply (``None``: not found)."""
         return [None if raw is None else self._verified(key, raw, layout, out, units) for key, raw, out in pages]
 
     def _read_into_arena(self, c: Connection, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
                          msg: LayoutMsg, wire_ranges: list[tuple[int, int]] | None, dst: list[int],
-                         units: list[int], per_page: int) -> list:
+                         units: Sequence[int], per_page: int) -> list:
         """Pages the server copies straight into the caller's arena slots, asked for in chunks with
         the next :data:`ARENA_AHEAD` chunks' requests already sent: the server copies the next
         chunks while the verifier thread checks chunk k where it landed (one after the other, the
