@@ -2,7 +2,8 @@
 
 Two ``vllm serve`` engines as a P/D fleet runs them: a prefill engine (P, ``kv_producer``) and a
 decode engine (D, ``kv_consumer``) sharing one tier: ``lmkv serve`` over TCP (as between two
-hosts), ``lmkv serve`` over same-host shared memory, or Redis. Each prompt (2-4k tokens) goes to
+hosts), ``lmkv serve`` over same-host shared memory, Redis, or Mooncake Store (a master and a
+storage client holding the pages; the engines' clients contribute no memory). Each prompt (2-4k tokens) goes to
 P with ``max_tokens: 1`` and ``do_remote_decode``, then to D the instant P answers with P's
 ``kv_transfer_params`` (what a P/D proxy does: ``examples/pd_proxy.py``). Two page shapes: the
 bench model's 256 KiB pages and an 8B model's 4 MiB pages (32 layers, 8 KV heads of 128: a
@@ -32,6 +33,7 @@ tokens over its whole context, as a hand-off does). Per tier and shape:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -72,7 +74,7 @@ SHAPES = [
     Shape("4MiB", dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=8,
                        head_dim=128, num_hidden_layers=32, vocab_size=2048), 1536 << 20, "2GiB"),
 ]
-TIERS = ["server_tcp", "server_shm", "redis"]
+TIERS = ["server_tcp", "server_shm", "redis", "mooncake"]
 
 
 @dataclass
@@ -89,6 +91,12 @@ def _tier(name: str, memory: str) -> Iterator[Tier]:
     if name == "redis":
         with start_redis(maxmemory=memory.replace("GiB", "gb")) as r:
             yield Tier({"url": r.url}, r.procs[0].pid)
+        return
+    if name == "mooncake":  # (the master is what a stall stops: every lookup and read asks it first)
+        from lmkv.dev.mooncake_master import start_master, start_storage
+
+        with start_master() as m, start_storage(m, int(memory.removesuffix("GiB")) << 30):
+            yield Tier({"url": m.url, "mooncake": {"segment_size": 0}}, m.proc.pid)
         return
     with spawn("--memory", memory) as s:
         yield Tier({"url": s.url, "shm": "never" if name == "server_tcp" else "auto"}, s.proc.pid)
@@ -233,7 +241,7 @@ def _multiturn(rep: Report, pair: Pair, ids: list[int], tag: str) -> None:
 
 def run(quick: bool = False) -> Report:
     shapes = SHAPES[:1] if quick else SHAPES
-    tiers = TIERS[:1] if quick else TIERS
+    tiers = TIERS[:1] if quick else [t for t in TIERS if t != "mooncake" or importlib.util.find_spec("mooncake")]
     lengths = [2000, 3990] if quick else [2000, 2700, 3400, 3990]
     repeats = 1 if quick else 2
     rep = Report("pd", params={"tiers": tiers, "shapes": [s.name for s in shapes], "prompt_tokens": lengths,

@@ -103,3 +103,25 @@ def test_mamba_units(mamba_layout: GroupLayout):
     h = make_header(KEY, mamba_layout, p)
     assert h.num_units == 6
     verify_payload(h, mamba_layout, p)
+
+
+def test_a_run_of_units_is_checked_at_once_and_a_bad_unit_in_it_is_still_named(layout):
+    p = random_payload(layout)
+    h = make_header(KEY, layout, p)
+    whole = units_in_ranges(layout, [(0, layout.payload_bytes)])
+    assert whole == range(h.num_units)
+    verify_units(h, layout, p, whole)
+    s, _ = layout.layer_range(2)
+    p[s] ^= 1
+    for units in (whole, list(whole), tuple(whole), iter(whole)):
+        with pytest.raises(ChecksumError, match="layer 2"):
+            verify_units(h, layout, p, units)
+    # units out of order are checked one by one: a run's digests in another order do not pass
+    q = random_payload(layout)
+    hq = make_header(KEY, layout, q)
+    a, b = layout.layer_range(0)
+    c, d = layout.layer_range(1)
+    swapped = q.copy()
+    swapped[a:b], swapped[c:d] = q[c:d], q[a:b]
+    with pytest.raises(ChecksumError):
+        verify_units(hq, layout, swapped, [2, 3, 0, 1])

@@ -1,11 +1,14 @@
 """The P/D flow users run: two ``vllm serve`` engines on the CPU engine, a prefill engine
 (``kv_producer``) and a decode engine (``kv_consumer``), sharing ``lmkv serve`` over TCP (as
-between two hosts) or Redis, and ``examples/pd_proxy.py`` sending each request to both. The
+between two hosts), Redis or Mooncake Store (a master and a storage client holding the pages, the
+engines' clients contributing no memory, as engines on hosts of their own would), and
+``examples/pd_proxy.py`` sending each request to both. The
 decode engine loads every full block of each prompt, with a cold computation's tokens, and stores
 nothing of the prompts."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import threading
 from pathlib import Path
@@ -34,12 +37,28 @@ def _proxy_module():
     return mod
 
 
-@pytest.mark.parametrize("tier", ["lmkv serve", "redis"])
+@contextlib.contextmanager
+def _shared(tier: str):
+    """The shared tier's ``remote`` settings, while it runs."""
+    if tier == "lmkv serve":
+        with spawn("--memory", "512MiB") as s:
+            yield {"url": s.url, "shm": "never"}
+    elif tier == "redis":
+        with start_redis() as r:
+            yield {"url": r.url}
+    else:
+        pytest.importorskip("mooncake.store")
+        from lmkv.dev.mooncake_master import start_master, start_storage
+
+        with start_master() as m, start_storage(m, 512 << 20):
+            yield {"url": m.url, "mooncake": {"segment_size": 0, "local_buffer_size": 16 << 20,
+                                              "staging_size": 32 << 20}}
+
+
+@pytest.mark.parametrize("tier", ["lmkv serve", "redis", "mooncake"])
 def test_prefill_and_decode_engines_hand_prompts_off_through_a_shared_tier(tmp_path, tier):
     model = str(make_llama())
-    shared = spawn("--memory", "512MiB") if tier == "lmkv serve" else start_redis()
-    with shared:
-        remote = {"url": shared.url, "shm": "never"} if tier == "lmkv serve" else {"url": shared.url}
+    with _shared(tier) as remote:
         # (a generous wait: the pages must all come on a loaded CI machine; pd.wait's default is a bench's figure)
         lmkv = {"memory": {"capacity": "256MiB"}, "remote": remote, "pd": {"wait": 5}}
         p = Serve(model, lmkv, tmp_path / "prefill.log", role="kv_producer")

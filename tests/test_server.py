@@ -133,7 +133,7 @@ BAD_FRAMES = {
 }
 
 def _lay(layers: int) -> LayoutMsg:
-    return LayoutMsg("x", "full_attention", layers, [("k", 8)], 16, "bf16", 1, 0, 1, None, "per_token")
+    return LayoutMsg("x", "full_attention", layers, (("k", 8),), 16, "bf16", 1, 0, 1, None, "per_token")
 
 
 BAD_REQUESTS = {
@@ -387,3 +387,12 @@ def test_a_large_write_goes_in_requests_a_reader_sees_as_they_commit(server, lay
     assert remote.batches([9] * 4, 1, 8) == [range(i, i + 1) for i in range(4)]  # (at least one page each)
     assert remote.batches([1] * 5, 100, 2) == [range(0, 2), range(2, 4), range(4, 5)]
     t.close()
+
+
+def test_a_layout_message_maps_to_one_layout_and_a_bad_one_is_refused_every_time():
+    msg = _lay(2)
+    assert msg.layout() is _lay(2).layout()  # (equal messages: one cached layout)
+    assert hash(msg) == hash(_lay(2))
+    for _ in range(2):  # (a refusal is not cached as an answer)
+        with pytest.raises(ValueError, match="out of bounds"):
+            _lay(0).layout()
