@@ -218,7 +218,7 @@ def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterab
         units = list(units)
     got = _digests(layout, view, units)
     # A run of units (every GET's and every landing chunk's case: a ``range``) is one comparison.
-    if isinstance(units, list) and units and units == list(range(units[0], units[0] + len(units))):
+    if isinstance(units, (list, tuple)) and units and list(units) == list(range(units[0], units[0] + len(units))):
         units = range(units[0], units[0] + len(units))
     if isinstance(units, range) and units.step == 1 and len(units):
         if struct.pack(f"<{len(got)}Q", *got) == header.digests[8 * units.start : 8 * units.stop]:

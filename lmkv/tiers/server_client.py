@@ -87,8 +87,8 @@ def parse_url(url: str) -> tuple[str, int, bool]:
 def _read_plan(layout: GroupLayout, ranges: tuple[tuple[int, int], ...] | None
                ) -> tuple[tuple[tuple[int, int], ...], Sequence[int], int, tuple[Chunk, ...]]:
     """What a read of ``ranges`` (None: whole pages) of ``layout``'s pages needs, worked out once per
-    layout and ranges (a one-page GET is ~100 µs; this was several of them): the ranges, their
-    units, bytes per page and landing chunks."""
+    layout and ranges (worked out per call, they were several µs of every one-page GET): the
+    ranges, their units, bytes per page and landing chunks."""
     want = ((0, layout.payload_bytes),) if ranges is None else ranges
     return want, units_in_ranges(layout, want), sum(b - a for a, b in want), landing_chunks(layout, want)
 
