@@ -241,6 +241,7 @@ class MooncakeTier(RemoteTier):
             arena = self._arena
             direct = lendable(arena, self._quarantine, outs)  # (offsets in the arena: pages land there)
             place = 0 if arena is None else arena.ctypes.data
+            base = self._staging.ctypes.data  # (a ctypes object per access: asked once)
             staged = [(hdr if h is None else 0) + (body if direct is None else 0) for h in known]  # (into staging)
             half = self._staging.nbytes // 2
             if max(staged, default=0) > half:
@@ -252,7 +253,7 @@ class MooncakeTier(RemoteTier):
                 for n, r in enumerate(batches(staged, half, len(keys))):
                     at = (n % 2) * half
                     offsets = [at + int(o) for o in np.cumsum([0] + [staged[i] for i in r[:-1]])]
-                    plan = [self._plan(known[i] is None, hdr, want, self._staging.ctypes.data + pos,
+                    plan = [self._plan(known[i] is None, hdr, want, base + pos,
                                        None if direct is None else place + direct[i])
                             for i, pos in zip(r, offsets)]
                     names = [self._name(keys[i]) for i in r]

@@ -54,7 +54,7 @@ from typing import TypeVar
 import numpy as np
 
 from lmkv.tiers.base import TierStats
-from lmkv.wire.shm_window import offset_in
+from lmkv.wire.shm_window import offsets_in
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def lendable(arena: np.ndarray | None, quarantine: Quarantine | None, bufs: Sequ
     buffer of the lender's own (a writer that stalls again then strands no more slots)."""
     if arena is None or quarantine is None or quarantine.full:
         return None
-    offsets = [offset_in(arena, b) for b in bufs]
+    offsets = offsets_in(arena, bufs)
     return None if any(o is None for o in offsets) else offsets  # type: ignore[return-value]
 
 

@@ -115,13 +115,13 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def offset_in(window: np.ndarray, arr) -> int | None:
-    """Where a contiguous buffer starts inside ``window``, or None if it is not wholly inside."""
-    if not isinstance(arr, np.ndarray):
-        arr = np.frombuffer(arr, np.uint8)
-    if not arr.flags.c_contiguous:
-        return None
+def offsets_in(window: np.ndarray, bufs) -> list[int | None]:
+    """Where each contiguous buffer starts inside ``window``, or None for one not wholly inside it."""
     base = window.__array_interface__["data"][0]
-    ptr = arr.__array_interface__["data"][0]
-    off = ptr - base
-    return off if 0 <= off and off + arr.nbytes <= window.nbytes else None
+    out: list[int | None] = []
+    for arr in bufs:
+        if not isinstance(arr, np.ndarray):
+            arr = np.frombuffer(arr, np.uint8)
+        off = arr.__array_interface__["data"][0] - base if arr.flags.c_contiguous else -1
+        out.append(off if 0 <= off and off + arr.nbytes <= window.nbytes else None)
+    return out
