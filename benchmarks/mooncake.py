@@ -30,7 +30,7 @@ from lmkv.benchmarks.report import Report, gbps, interleaved, timed
 from lmkv.benchmarks.tiers import bench_layout, random_keys
 from lmkv.config import RemoteConfig
 from lmkv.dev.mooncake_master import start_master
-from lmkv.page import make_header
+from lmkv.page import header_bytes, make_header
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import TierStats
 from lmkv.tiers.quarantine import Quarantine
@@ -77,8 +77,6 @@ def _size(report: Report, tier, raw, reg: np.ndarray, arena: np.ndarray, label: 
           rounds: int) -> None:
     """One page size's figures (``raw``: the tier's client, with ``reg`` registered; ``arena``: the
     tier's, its first ``n`` pages read into, the next ``n`` written from)."""
-    from lmkv.tiers.mooncake import header_bytes
-
     lay = bench_layout(page)
     obj = header_bytes(lay) + page
     payloads = [np.random.default_rng(i).integers(0, 256, page, dtype=np.uint8) for i in range(n)]

@@ -184,6 +184,9 @@ class MooncakeConfig(_Section):
     staging_size: ByteSize = Field(
         ByteSize(64 << 20), description="registered memory pages are staged through when the caller's buffers "
         "are not registered with Mooncake (a batch larger than this goes in parts)")
+    stream_stores: bool = Field(
+        True, description="a step's pages are put in one Mooncake put session, layer by layer as the forward "
+        "computes them, and made readable when the step commits (off: written through whole after the commit)")
 
 
 class RemoteConfig(_Section):

@@ -88,6 +88,11 @@ def num_units(layout: GroupLayout) -> int:
     return layout.num_layers * len(layout.segments)
 
 
+def header_bytes(layout: GroupLayout) -> int:
+    """A page header of this layout, packed (what precedes the payload in a network tier's object)."""
+    return FIXED_BYTES + 8 * num_units(layout)
+
+
 def disk_header_bytes(layout: GroupLayout) -> int:
     """A page header of this layout as stored on disk (padded to ALIGN)."""
     return padded(FIXED_BYTES + 8 * num_units(layout))

@@ -38,11 +38,12 @@ from lmkv.metrics import Metrics
 from lmkv.page import PageHeader, copy_units, make_header
 from lmkv.retries import RetryQueue, WriteStats
 from lmkv.tiers.accounts import Accounts
-from lmkv.tiers.base import LocalTier, Tier, WriteSession, in_place_reader
+from lmkv.tiers.base import LocalTier, StepStream, Tier, WriteSession, in_place_reader
 from lmkv.tiers.disk import DiskTier
 from lmkv.tiers.factory import open_tiers
 from lmkv.tiers.gds import DeviceBuffer
 from lmkv.tiers.link import LinkRates
+from lmkv.tiers.memory import MemorySession
 
 if TYPE_CHECKING:
     from lmkv.tiers.device_staging import DeviceStaging
@@ -511,10 +512,18 @@ class StoreSession:
                  domain: str) -> None:
         self._store = store
         self._domain = domain
-        self._inner: WriteSession = store.memory.open_session(keys, layouts, domain)
+        self._inner: MemorySession = store.memory.open_session(keys, layouts, domain)
         self.keys = self._inner.keys
         self.layouts = self._inner.layouts
         self.written_through: Future | None = None
+        #: lower tiers that take the step's pages as they fill (Mooncake's put sessions), by name
+        self._streams: dict[str, StepStream] = {}
+        if store.cfg.store.write_policy == "write_through" and self.keys:
+            bufs = [self._inner.buffer(i) for i in range(len(self.keys))]
+            for tier in store.tiers[1:]:
+                stream = tier.stream(self.keys, self.layouts, bufs)
+                if stream is not None:
+                    self._streams[tier.name] = stream
 
     def buffer(self, i: int):
         return self._inner.buffer(i)
@@ -522,30 +531,57 @@ class StoreSession:
     def write(self, i: int, offset: int, data) -> None:
         self._inner.write(i, offset, data)
 
+    @property
+    def streaming(self) -> bool:
+        """Whether a lower tier takes the pages as they fill (then tell it: :meth:`filled`)."""
+        return bool(self._streams)
+
+    def filled(self, indices: Sequence[int], start: int, end: int, ready: Callable[[], object] | None = None) -> None:
+        """Bytes ``[start, end)`` of the pages at ``indices`` are in their buffers (once ``ready``
+        returns: a GPU copy's events): lower tiers that stream a step's pages take them now."""
+        for stream in self._streams.values():
+            stream.filled(indices, start, end, ready)
+
     def commit(self, headers: Sequence[PageHeader | None] | None = None,
                below: Mapping[str, set[PageKey]] | None = None) -> list[bool]:
         """Publish in memory now; under write-through, the copies down run on the I/O threads.
 
         ``headers`` as in :meth:`WriteSession.commit` (pages whose header arrived with them).
         ``below``: per lower tier's name, pages the caller writes to it itself (the worker's
-        GPUDirect Storage writes from device memory); they are not copied there from memory."""
-        results = self._inner.commit(headers)
+        GPUDirect Storage writes from device memory); they are not copied there from memory.
+        A tier that streamed the pages (:meth:`filled`) is told to make them readable; the pages
+        it could not take are copied down whole like the others."""
         store = self._store
-        if store.cfg.store.write_policy == "write_through" and len(store.tiers) > 1:
-            lease = store.memory.borrow(self.keys, count=False)
-            self.written_through = store.submit(self._write_through, lease, below or {})
+        if not self._streams:
+            results = self._inner.commit(headers)
+            if store.cfg.store.write_policy == "write_through" and len(store.tiers) > 1:
+                lease = store.memory.borrow(self.keys, count=False)
+                self.written_through = store.submit(self._write_through, lease, below or {}, {})
+            return results
+        results, lease = self._inner.commit_pinned(headers)  # (the slots stay the pages' until streamed)
+        slots = [None if v is None else v.__array_interface__["data"][0] for v in lease.views]
+        finished = {name: s.finish(lease.headers, slots) for name, s in self._streams.items()}
+        self.written_through = store.submit(self._write_through, lease, below or {}, finished)
         return results
 
-    def _write_through(self, lease, below: Mapping[str, set[PageKey]]) -> None:
+    def _write_through(self, lease, below: Mapping[str, set[PageKey]],
+                       finished: Mapping[str, Future[set[PageKey]]]) -> None:
         with lease:
             pages = [(h, v) for h, v in zip(lease.headers, lease.views) if h is not None]
             for tier in self._store.tiers[1:]:
-                done = below.get(tier.name, ())
+                done = set(below.get(tier.name, ()))
+                if tier.name in finished:
+                    try:
+                        done |= finished[tier.name].result()  # (each of its calls is bounded by remote.timeout)
+                    except Exception:  # (a stream that failed leaves every page to the copy below)
+                        log.exception("lmkv: %s tier: a step's put session failed", tier.name)
                 todo = [(h, v) for h, v in pages if h.key not in done] if done else pages
                 if todo:
                     self._store.write_down(tier, todo, self._domain)
 
     def abort(self) -> None:
+        for stream in self._streams.values():
+            stream.abort()
         self._inner.abort()
 
     def __enter__(self) -> StoreSession:

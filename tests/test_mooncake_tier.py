@@ -20,14 +20,14 @@ from lmkv.config import RemoteConfig
 from lmkv.dev.mooncake_master import start_master
 from lmkv.dev.redis_server import free_port
 from lmkv.errors import TierUnavailableError
-from lmkv.page import make_header
+from lmkv.page import header_bytes, make_header
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import TierStats
 from lmkv.tiers.quarantine import Quarantine
 
 pytest.importorskip("mooncake.store")
 
-from lmkv.tiers.mooncake import MooncakeTier, header_bytes  # noqa: E402
+from lmkv.tiers.mooncake import MooncakeTier  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -380,3 +380,83 @@ def test_a_killed_master_is_a_bounded_miss_and_a_new_one_is_picked_up(layout):
         found, outs = _read(t, layout, keys)
         assert all(found) and all((o == p).all() for o, p in zip(outs, payloads))
         t.close()
+
+
+def _streaming_store(url: str, **mooncake):
+    from lmkv.config import load_config
+    from lmkv.store import TieredStore
+
+    mc = {"segment_size": 64 << 20, "local_buffer_size": 16 << 20, "staging_size": 8 << 20, **mooncake}
+    return TieredStore(load_config({"memory": {"capacity": "16MiB"}, "remote": {"url": url, "mooncake": mc}},
+                                   environ={}))
+
+
+def test_a_steps_pages_stream_to_mooncake_layer_by_layer_and_are_readable_only_once_committed(layout):
+    """A step's store session puts each layer's range of its pages as the layer lands (one put
+    session: its start, a ranged put per layer, the headers and its end at the commit), and no
+    reader finds a page before the commit. A page the step did not store is revoked; an aborted
+    step leaves nothing, and its pages can be stored later."""
+    keys, payloads, _ = make_pages(layout, 5, seed=11)
+    with start_master() as m, _streaming_store(m.url) as store:
+        mc = store.tiers[-1]
+        assert mc.contains(keys) == [False] * 5  # (connects the client: a step never waits for that)
+        real = mc._store
+        calls: list[str] = []
+
+        class Counting:  # (Mooncake's client takes no new attributes: count through a proxy)
+            def __getattr__(self, name):
+                f = getattr(real, name)
+                return (lambda *a: calls.append(name) or f(*a)) if name.startswith("batch_put") else f
+
+        mc._store = Counting()
+        with store.open_session(keys[:4], [layout] * 4) as session:
+            assert session.streaming
+            for layer in range(layout.num_layers):
+                a, b = layout.layer_range(layer)
+                for i, p in enumerate(payloads[:4]):
+                    session.buffer(i)[a:b] = p[a:b]
+                session.filled(range(4), a, b)
+            mc._streamer.submit(lambda: None).result()  # (every layer put)
+            assert mc.contains(keys[:4]) == [False] * 4  # (reserved and filled: not readable yet)
+            headers = [make_header(k, layout, p) for k, p in zip(keys[:4], payloads[:4])]
+            session.commit([*headers[:3], None])
+        session.written_through.result()
+        assert calls == (["batch_put_session_start"] + ["batch_put_from_multi_buffer_ranges"] * layout.num_layers
+                         + ["batch_put_from_multi_buffer_ranges", "batch_put_session_end", "batch_put_session_revoke"])
+        assert mc.contains(keys[:4]) == [True, True, True, False]
+        store.memory.delete(keys)
+        ok, outs = _read(mc, layout, keys[:3])  # (verified against the headers written last)
+        assert ok == [True] * 3 and all((o == p).all() for o, p in zip(outs, payloads))
+
+        calls.clear()
+        with store.open_session(keys[3:], [layout] * 2) as session:
+            a, b = layout.layer_range(0)
+            session.buffer(0)[:] = payloads[3]
+            session.filled([0], a, b)
+            session.abort()
+        mc._streamer.submit(lambda: None).result()
+        assert calls[0] == "batch_put_session_start" and calls[-1] == "batch_put_session_revoke"
+        assert mc.contains(keys[3:]) == [False, False]
+        with store.open_session(keys[3:], [layout] * 2) as session:  # (revoked keys are free again)
+            for i, p in enumerate(payloads[3:]):
+                session.buffer(i)[:] = p
+                session.filled([i], 0, layout.payload_bytes)
+            session.commit()
+        session.written_through.result()
+        assert mc.contains(keys[3:]) == [True, True]
+
+
+def test_a_step_streams_nothing_when_it_is_off_or_the_tier_is_not_connected(layout):
+    keys, payloads, _ = make_pages(layout, 2, seed=12)
+    with start_master() as m, _streaming_store(m.url, stream_stores=False) as store:
+        store.tiers[-1].contains(keys)
+        with store.open_session(keys, [layout] * 2) as session:
+            assert not session.streaming
+    with start_master() as m, _streaming_store(m.url) as store:
+        with store.open_session(keys, [layout] * 2) as session:  # (not connected yet: whole pages, after)
+            assert not session.streaming
+            for i, p in enumerate(payloads):
+                session.buffer(i)[:] = p
+            session.commit()
+        session.written_through.result()
+        assert store.tiers[-1].contains(keys) == [True, True]

@@ -33,7 +33,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
@@ -200,13 +200,15 @@ class LayerwiseTransfer:
             i += len(keys)
             # Rescued blocks belong to this step's requests now: every layer is copied before the
             # forward (and any load) writes them. The others are copied layer by layer as it runs.
-            rescued = [(b, p) for b, p, now in zip(blocks, pages, at_once) if now]
+            rescued = [(b, p, i - len(keys) + j) for j, (b, p, now) in enumerate(zip(blocks, pages, at_once)) if now]
             if rescued:
-                runs = block_runs([b for b, _ in rescued], [p for _, p in rescued])
+                runs = block_runs([b for b, _, _ in rescued], [p for _, p, _ in rescued])
                 with self._on_stream():
                     self.copier.gather_all(g, runs)
                 if self._streams is not None:  # the forward writes these blocks only once they are copied
                     self._streams.compute().follow(self._streams.step)
+                if self._session.streaming:
+                    self._session.filled([at for _, _, at in rescued], 0, self.groups[g].payload_bytes, self._ready())
                 self.stats.add(self.groups[g].name, rescued_pages=len(rescued))
             later = [(b, p, k, i - len(keys) + j)
                      for j, (b, p, k, now) in enumerate(zip(blocks, pages, keys, at_once)) if not now]
@@ -376,6 +378,16 @@ class LayerwiseTransfer:
             self._copy_s += time.perf_counter() - t0
         self._copied_bytes += len(st.keys) * self.groups[g].layer_stride
         st.done_layers.add(layer)
+        if self._session is not None and self._session.streaming:
+            self._session.filled(st.index, *layout.layer_range(layer), self._ready())
+
+    def _ready(self) -> Callable[[], object] | None:
+        """What a reader of the copies queued so far waits on: the step's copy stream's events (None
+        without copy streams: the copies are done)."""
+        if self._streams is None:
+            return None
+        events = self._streams.step.record()
+        return lambda: [ev.synchronize() for ev in events.values()]
 
     def before_layer(self, name: str) -> None:
         self.layers_touched = True

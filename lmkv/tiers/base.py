@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +56,23 @@ class ResidencyListener(Protocol):
     def added(self, key: PageKey) -> None: ...
 
     def removed(self, key: PageKey) -> None: ...
+
+
+class StepStream(Protocol):
+    """A step's pages going down to a tier while the step computes them, made readable there when it
+    commits (:meth:`Tier.stream`; Mooncake's put sessions: :mod:`lmkv.tiers.mooncake_puts`)."""
+
+    def filled(self, indices: Sequence[int], start: int, end: int,
+               ready: Callable[[], object] | None = None) -> None:
+        """Bytes ``[start, end)`` of the pages at ``indices`` are in their buffers (once ``ready``
+        returns)."""
+
+    def finish(self, headers: Sequence[PageHeader | None], slots: Sequence[int | None]) -> Future[set[PageKey]]:
+        """The step committed ``headers`` (None: a page not stored); ``slots``: each page's buffer
+        address now (pinned). Resolves to the pages readable in the tier."""
+
+    def abort(self) -> None:
+        """The step aborted: nothing of it becomes readable."""
 
 
 class WriteSession(ABC):
@@ -164,6 +182,11 @@ class Tier(ABC):
     def quarantined_bytes(self) -> int:
         """Bytes held back from reuse for writers that may still finish late (:mod:`lmkv.tiers.quarantine`)."""
         return 0
+
+    def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence) -> StepStream | None:
+        """A step's pages (filling ``bufs``, memory-tier slots) taken layer by layer as they fill, or
+        None: the tier takes them whole when the step's write-through copies them down (the default)."""
+        return None
 
     @abstractmethod
     def __len__(self) -> int: ...

@@ -441,6 +441,17 @@ class MemorySession(WriteSession):
         return self._tier._arena.view(self._offsets[i], self.layouts[i].payload_bytes)
 
     def commit(self, headers: Sequence[PageHeader | None] | None = None) -> list[bool]:
+        return self._commit(headers, pin=False)[0]
+
+    def commit_pinned(self, headers: Sequence[PageHeader | None] | None = None) -> tuple[list[bool], Lease]:
+        """:meth:`commit`, with each page it published (or the twin another writer published first)
+        pinned in the same hold of the tier's lock: no eviction comes between the two (a put session
+        still reading the slots after the commit needs them unchanged)."""
+        results, lease = self._commit(headers, pin=True)
+        assert lease is not None
+        return results, lease
+
+    def _commit(self, headers: Sequence[PageHeader | None] | None, pin: bool) -> tuple[list[bool], Lease | None]:
         headers = self.headers() if headers is None else headers
         tier = self._tier
         with tier._lock:
@@ -452,9 +463,16 @@ class MemorySession(WriteSession):
                     results.append(False)
                 else:
                     results.append(tier._insert(h, off, domain, account))
+            lease = None
+            if pin:
+                entries = [tier._index.get(k) for k in self.keys]
+                for e in entries:
+                    if e is not None:
+                        e.pins += 1
+                lease = Lease(tier, entries)
         self._offsets = []
         self.closed = True
-        return results
+        return results, lease
 
     def abort(self) -> None:
         with self._tier._lock:

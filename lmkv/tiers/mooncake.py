@@ -50,11 +50,13 @@ from lmkv.config import ConfigError, RemoteConfig
 from lmkv.errors import TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
-from lmkv.page import FIXED_BYTES, PageHeader, num_units, units_in_ranges
+from lmkv.page import PageHeader, header_bytes, units_in_ranges
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
+from lmkv.tiers.mooncake_puts import PutStream
 from lmkv.tiers.quarantine import Quarantine, lendable
 from lmkv.tiers.remote import Checked, HeaderCache, RemoteTier, batches
+from lmkv.wire.shm_window import offsets_in
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,8 @@ HEADERS_KEPT = 16384
 #: many objects stay in it at most
 SESSION_IDLE_S = 0.5
 SESSION_KEYS = 65536
+#: registered memory for the headers a step's put session writes last (~0.6 KiB a page of 64 units)
+STREAM_HEADER_BYTES = 1 << 20
 
 
 @dataclass
@@ -99,11 +103,6 @@ def master_address(url: str) -> str:
     return f"{parts.hostname}:{parts.port}"
 
 
-def header_bytes(layout: GroupLayout) -> int:
-    """A page's packed header length: what precedes its payload in the object."""
-    return FIXED_BYTES + 8 * num_units(layout)
-
-
 class MooncakeTier(RemoteTier):
     """Mooncake Store through its Python client. Thread-safe (the staging buffer is taken under a
     lock, one read or write at a time)."""
@@ -115,6 +114,8 @@ class MooncakeTier(RemoteTier):
         self.mc = cfg.mooncake
         self.prefix = cfg.key_prefix
         self._calls = threads.pool(CALL_THREADS, "lmkv-mooncake")
+        self._streamer = threads.pool(1, "lmkv-mooncake-stream")  # every put session's calls, in order
+        self._stream_headers = np.zeros(STREAM_HEADER_BYTES, np.uint8)
         self._lock = threading.Lock()
         self._store: Any = None  # the connected client (MooncakeDistributedStore)
         self._connecting: Future | None = None
@@ -132,6 +133,23 @@ class MooncakeTier(RemoteTier):
         (when it connects: the store shares it before the first call)."""
         self._arena = arena.buf
         self._quarantine = quarantine
+
+    def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence) -> PutStream | None:
+        """A put session for a step's pages, put layer by layer from ``bufs`` (their memory slots) as
+        they fill (:mod:`lmkv.tiers.mooncake_puts`); None where it cannot be: ``mooncake.stream_stores``
+        off, the tier down or not connected yet (a step never waits for a connection), the arena not
+        registered, or a buffer outside it."""
+        if not self.mc.stream_stores or not keys or not self.health.up:
+            return None
+        with self._lock:
+            client, arena = self._store, self._arena
+        if client is None or arena is None or max(header_bytes(lay) for lay in layouts) > STREAM_HEADER_BYTES:
+            return None
+        offsets = offsets_in(arena, bufs)
+        if any(o is None for o in offsets):
+            return None
+        base = arena.ctypes.data
+        return PutStream(self, client, keys, layouts, [base + o for o in offsets])  # type: ignore[operator]
 
     # -- the client ------------------------------------------------------------
 
@@ -158,6 +176,9 @@ class MooncakeTier(RemoteTier):
             store.close()
             raise TierUnavailableError(f"{self.name}: registering {self._staging.nbytes} bytes of staging "
                                        f"failed ({rc})")
+        if store.register_buffer(self._stream_headers.ctypes.data, self._stream_headers.nbytes) != 0:
+            store.close()
+            raise TierUnavailableError(f"{self.name}: registering the put sessions' header buffer failed")
         if self._arena is not None and store.register_buffer(self._arena.ctypes.data, self._arena.nbytes) != 0:
             log.warning("lmkv: %s tier: registering the %d-byte memory arena failed; pages go through staging",
                         self.name, self._arena.nbytes)
@@ -524,9 +545,11 @@ class MooncakeTier(RemoteTier):
             self._end(store, names)
             try:
                 store.unregister_buffer(self._staging.ctypes.data)
+                store.unregister_buffer(self._stream_headers.ctypes.data)
                 if self._arena is not None:
                     store.unregister_buffer(self._arena.ctypes.data)
                 store.close()
             except (RuntimeError, ValueError) as err:
                 log.info("lmkv: %s tier: closing the client: %s", self.name, err)
+        self._streamer.shutdown(wait=False, cancel_futures=True)
         self._calls.shutdown(wait=False, cancel_futures=True)
