@@ -434,6 +434,36 @@ class TieredStore:
         fut.add_done_callback(self._settled)
         return fut
 
+    def submit_after(self, waits: Sequence[Future], fn, *args) -> Future:
+        """:meth:`submit` ``fn(*args)`` once every future in ``waits`` is done (however it ended); no
+        thread waits for them meanwhile. :meth:`drain` waits for it from now on."""
+        out: Future = Future()
+        with self._pending_lock:
+            self._pending.add(out)
+        out.add_done_callback(self._settled)
+        left = [len(waits)]
+        lock = threading.Lock()
+
+        def start(_: Future | None = None) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] > 0:
+                    return
+            try:
+                inner = self._pool.submit(fn, *args)
+            except RuntimeError as err:  # (the store is closing)
+                out.set_exception(err)
+                return
+            inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() is not None
+                                    else out.set_result(f.result()))
+
+        if not waits:
+            left[0] = 1
+            start()
+        for w in waits:
+            w.add_done_callback(start)
+        return out
+
     def _settled(self, fut: Future) -> None:
         with self._pending_lock:
             self._pending.discard(fut)
@@ -483,6 +513,7 @@ class TieredStore:
 
     def close(self) -> None:
         """Finish background writes; under write-back, flush memory down first so nothing is lost."""
+        self.drain()  # (write-throughs that wait for a tier's put session are not on the pool yet)
         self._pool.shutdown(wait=True)
         if self.cfg.store.write_policy == "write_back":
             try:
@@ -561,7 +592,8 @@ class StoreSession:
         results, lease = self._inner.commit_pinned(headers)  # (the slots stay the pages' until streamed)
         slots = [None if v is None else v.__array_interface__["data"][0] for v in lease.views]
         finished = {name: s.finish(lease.headers, slots) for name, s in self._streams.items()}
-        self.written_through = store.submit(self._write_through, lease, below or {}, finished)
+        self.written_through = store.submit_after(list(finished.values()), self._write_through, lease, below or {},
+                                                  finished)
         return results
 
     def _write_through(self, lease, below: Mapping[str, set[PageKey]],
@@ -570,10 +602,11 @@ class StoreSession:
             pages = [(h, v) for h, v in zip(lease.headers, lease.views) if h is not None]
             for tier in self._store.tiers[1:]:
                 done = set(below.get(tier.name, ()))
-                if tier.name in finished:
+                fut = finished.get(tier.name)
+                if fut is not None:  # (done: this runs once every stream finished)
                     try:
-                        done |= finished[tier.name].result()  # (each of its calls is bounded by remote.timeout)
-                    except Exception:  # (a stream that failed leaves every page to the copy below)
+                        done |= fut.result()
+                    except (Exception, concurrent.futures.CancelledError):  # (its pages are copied below instead)
                         log.exception("lmkv: %s tier: a step's put session failed", tier.name)
                 todo = [(h, v) for h, v in pages if h.key not in done] if done else pages
                 if todo:

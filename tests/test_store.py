@@ -322,3 +322,21 @@ def test_write_through_evictions_never_write_again_what_the_tier_below_dropped(t
         assert disk.stats.puts == 8
         assert not [k for ks in asked for k in ks if k in keys[:4]]
         assert st.lookup(keys[4:]).pages == 4
+
+
+def test_work_submitted_after_other_futures_runs_once_they_are_all_done_and_drain_waits_for_it(layout):
+    from concurrent.futures import Future
+
+    with TieredStore(load_config({"memory": {"capacity": "8MiB"}}, environ={})) as store:
+        first, second = Future(), Future()
+        ran: list[str] = []
+        out = store.submit_after([first, second], lambda: ran.append("ran") or 7)
+        first.set_result(None)
+        assert not ran and not out.done()  # (one still running: nothing waits on a thread meanwhile)
+        second.set_exception(RuntimeError("a failed one counts as done"))
+        store.drain(timeout=10)
+        assert out.result(timeout=0) == 7 and ran == ["ran"]
+        failing = store.submit_after([], lambda: 1 / 0)
+        store.drain(timeout=10)
+        with pytest.raises(ZeroDivisionError):
+            failing.result(timeout=0)

@@ -51,7 +51,8 @@ class PutStream:
     tier's streaming thread."""
 
     def __init__(self, tier: MooncakeTier, client, keys: Sequence[PageKey], layouts: Sequence[GroupLayout],
-                 ptrs: Sequence[int]) -> None:
+                 ptrs: Sequence[int], closed: Callable[[Future], object]) -> None:
+        """``closed``: called with the future of the stream's last call (its finish or abort) once done."""
         self._tier = tier
         self._client = client
         self.keys = list(keys)
@@ -62,6 +63,7 @@ class PutStream:
         self._live = [False] * len(self.keys)  # started, and every range so far put
         self._present = [False] * len(self.keys)  # the object was there already (the same page)
         self._closed = False
+        self._on_closed = closed
         self._submit(self._start, [h + lay.payload_bytes for h, lay in zip(self._hdrs, layouts)])
 
     def _submit(self, fn: Callable, *args) -> Future:
@@ -95,7 +97,13 @@ class PutStream:
         if not live:
             return
         if ready is not None:
-            ready()
+            try:
+                ready()
+            except Exception:  # (the device failed: these ranges never came)
+                log.exception("lmkv: %s tier: waiting for a step's copies failed", self._tier.name)
+                for i in live:
+                    self._live[i] = False
+                return
         self._put(live, [self._ptrs[i] + start for i in live], [end - start] * len(live),
                   [self._hdrs[i] + start for i in live])
 
@@ -117,7 +125,9 @@ class PutStream:
         one's payload is at now, pinned (None: not in memory). Resolves to the pages now readable in
         Mooncake (ended here, or there already); the others are revoked."""
         self._closed = True
-        return self._submit(self._finish, list(headers), list(slots))
+        fut = self._submit(self._finish, list(headers), list(slots))
+        fut.add_done_callback(self._on_closed)
+        return fut
 
     def _finish(self, headers: list[PageHeader | None], slots: list[int | None]) -> set[PageKey]:
         for i, (h, at) in enumerate(zip(headers, slots)):
@@ -148,9 +158,11 @@ class PutStream:
         return {k for k, ok, there in zip(self.keys, self._live, self._present) if ok or there}
 
     def abort(self) -> None:
-        """The step aborted: every page of it is revoked."""
+        """The step aborted: every page of it is revoked (after :meth:`finish`: nothing to do)."""
+        if self._closed:
+            return
         self._closed = True
-        self._submit(self._abort)
+        self._submit(self._abort).add_done_callback(self._on_closed)
 
     def _abort(self) -> None:
         self._live = [False] * len(self.keys)
