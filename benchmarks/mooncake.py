@@ -9,6 +9,10 @@ objects from the same segments, so placement favours neither side. Per round, th
 - ``mooncake.put.2MiB``: ``MooncakeTier.put`` of 2 MiB pages from arena slots (header and
   payload, one object each); baseline: ``batch_put_from`` of objects of the same sizes from
   registered memory.
+- ``mooncake.put_session.2MiB``: the same pages through a step's put session
+  (:mod:`lmkv.tiers.mooncake_puts`): its start, every layer's range of every page as its own put,
+  the headers and the session's end, back to back (in a step, the ranges go while the forward
+  computes); baseline: ``batch_put_from`` as above.
 - ``mooncake.get.2MiB`` / ``mooncake.get.256KiB``: ``MooncakeTier.get`` into arena slots, every
   page verified; baseline: ``batch_get_into`` of the same objects into registered memory.
   ``.unverified``: the same with ``remote.verify`` off (what the checksums cost is the gap).
@@ -143,3 +147,22 @@ def _size(report: Report, tier, raw, reg: np.ndarray, arena: np.ndarray, label: 
 
     ours, base = interleaved(rounds, put, raw_put)
     report.add("mooncake.put.2MiB", ours, "GB/s", base, what)
+
+    def streamed() -> float:
+        fresh = random_keys(n)
+        headers = [make_header(k, lay, p) for k, p in zip(fresh, payloads)]  # (untimed: the step hashes them)
+
+        def go() -> None:
+            stream = tier.stream(fresh, [lay] * n, srcs)
+            if stream is None:
+                raise RuntimeError("the Mooncake tier took no put session")
+            for layer in range(lay.num_layers):
+                stream.filled(range(n), *lay.layer_range(layer))
+            if stream.finish(headers, [s.ctypes.data for s in srcs]).result() != set(fresh):
+                raise RuntimeError("a put session lost pages")
+        took = timed(go)
+        tier.delete(fresh)
+        return gbps(n * page, took)
+
+    ours, base = interleaved(rounds, streamed, raw_put)
+    report.add("mooncake.put_session.2MiB", ours, "GB/s", base, what)
