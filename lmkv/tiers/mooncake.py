@@ -155,8 +155,13 @@ class MooncakeTier(RemoteTier):
         with self._lock:
             self._streams_open += 1
         base = arena.ctypes.data
-        return PutStream(self, client, keys, layouts, [base + o for o in offsets],  # type: ignore[operator]
-                         self._stream_closed)
+
+        def call(fn: Callable[..., list[int]], *args) -> list[int]:
+            return self._call(lambda: self._wait(self._calls.submit(fn, client, *args)))
+
+        return PutStream(self.name, call, self._streamer.submit, self._stream_headers, keys,
+                         [self._name(k) for k in keys], layouts,
+                         [base + o for o in offsets], self._stream_closed)  # type: ignore[operator]
 
     def _stream_closed(self, _: Future) -> None:
         with self._lock:

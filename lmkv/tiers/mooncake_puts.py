@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,9 +31,6 @@ from lmkv.errors import TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, header_bytes
-
-if TYPE_CHECKING:
-    from lmkv.tiers.mooncake import MooncakeTier
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +41,24 @@ EXISTS = -705
 class PutStream:
     """One step's pages in one Mooncake put session; see the module's docstring.
 
-    Made by :meth:`MooncakeTier.stream` from the step's memory slots (``ptrs``: each page's payload
-    address in the registered arena). The step calls :meth:`filled` as layers land, then
-    :meth:`finish` (committed) or :meth:`abort`; each returns at once, the calls run in order on the
-    tier's streaming thread."""
+    Made by :meth:`lmkv.tiers.mooncake.MooncakeTier.stream` from the step's memory slots (``ptrs``:
+    each page's payload address in the registered arena). The step calls :meth:`filled` as layers
+    land, then :meth:`finish` (committed) or :meth:`abort`; each returns at once, the calls run in
+    order on the tier's streaming thread."""
 
-    def __init__(self, tier: MooncakeTier, client, keys: Sequence[PageKey], layouts: Sequence[GroupLayout],
-                 ptrs: Sequence[int], closed: Callable[[Future], object]) -> None:
-        """``closed``: called with the future of the stream's last call (its finish or abort) once done."""
+    def __init__(self, tier: str, call: Callable[..., list[int]], submit: Callable[..., Future],
+                 header_buf: np.ndarray, keys: Sequence[PageKey], names: Sequence[str],
+                 layouts: Sequence[GroupLayout], ptrs: Sequence[int], closed: Callable[[Future], object]) -> None:
+        """``call(fn, *args)``: ``fn(client, *args)`` on the tier's client, bounded by ``remote.timeout``
+        (raises TierUnavailableError); ``submit``: the tier's streaming thread; ``header_buf``: memory
+        registered with the client, this stream's while it finishes; ``closed``: called with the
+        future of the stream's last call (its finish or abort) once done."""
         self._tier = tier
-        self._client = client
+        self._call = call
+        self._submit = submit
+        self._header_buf = header_buf
         self.keys = list(keys)
-        self._names = [tier._name(k) for k in keys]
+        self._names = list(names)
         self._hdrs = [header_bytes(lay) for lay in layouts]
         self._ptrs = list(ptrs)
         self._started = [False] * len(self.keys)  # reserved by this session (and not ended or revoked yet)
@@ -66,21 +68,12 @@ class PutStream:
         self._on_closed = closed
         self._submit(self._start, [h + lay.payload_bytes for h, lay in zip(self._hdrs, layouts)])
 
-    def _submit(self, fn: Callable, *args) -> Future:
-        return self._tier._streamer.submit(fn, *args)
-
-    def _call(self, fn: Callable, *args) -> list[int]:
-        """``fn(client, *args)`` on the tier's call threads, waited for at most ``remote.timeout``
-        (a failure marks the tier down, as any call's does)."""
-        tier = self._tier
-        return tier._call(lambda: tier._wait(tier._calls.submit(fn, self._client, *args)))
-
     def _start(self, sizes: list[int]) -> None:
         try:
             rcs = self._call(lambda c, n, z: c.batch_put_session_start(n, z), self._names, sizes)
         except TierUnavailableError as err:
             log.info("lmkv: %s tier: a step's put session did not start (%s); its pages are written "
-                     "through whole", self._tier.name, err)
+                     "through whole", self._tier, err)
             return
         for i, rc in enumerate(rcs):
             self._started[i] = self._live[i] = rc == 0
@@ -100,7 +93,7 @@ class PutStream:
             try:
                 ready()
             except Exception:  # (the device failed: these ranges never came)
-                log.exception("lmkv: %s tier: waiting for a step's copies failed", self._tier.name)
+                log.exception("lmkv: %s tier: waiting for a step's copies failed", self._tier)
                 for i in live:
                     self._live[i] = False
                 return
@@ -133,7 +126,7 @@ class PutStream:
         for i, (h, at) in enumerate(zip(headers, slots)):
             if h is None or at != self._ptrs[i]:  # (not stored, or a twin's slot: not what was streamed)
                 self._live[i] = False
-        buf = self._tier._stream_headers
+        buf = self._header_buf
         live = [i for i, ok in enumerate(self._live) if ok]
         while live:  # (as many headers as the buffer holds at a time)
             part, at, ptrs = [], 0, []
