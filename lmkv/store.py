@@ -391,14 +391,16 @@ class TieredStore:
                 self.write_down(nxt, [(header, view)], domain, from_memory=False)
 
     def open_session(
-        self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str | None = None
+        self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], domain: str | None = None,
+        streamed: bool = False,
     ) -> StoreSession:
-        """Reserve pages in memory for one step; see :class:`StoreSession`.
+        """Reserve pages in memory for one step; see :class:`StoreSession` (``streamed``: the caller
+        reports ranges as they fill).
 
         Raises:
             TierFullError: memory has no room for them (nothing is reserved).
         """
-        return StoreSession(self, keys, layouts, domain or self.domain)
+        return StoreSession(self, keys, layouts, domain or self.domain, streamed)
 
     # -- ownership -----------------------------------------------------------
 
@@ -540,7 +542,9 @@ class StoreSession:
     """
 
     def __init__(self, store: TieredStore, keys: Sequence[PageKey], layouts: Sequence[GroupLayout],
-                 domain: str) -> None:
+                 domain: str, streamed: bool = False) -> None:
+        """``streamed``: the caller says which byte ranges of the pages are filled as they fill
+        (:meth:`filled`, the worker layer by layer): lower tiers that can may take them then."""
         self._store = store
         self._domain = domain
         self._inner: MemorySession = store.memory.open_session(keys, layouts, domain)
@@ -549,7 +553,7 @@ class StoreSession:
         self.written_through: Future | None = None
         #: lower tiers that take the step's pages as they fill (Mooncake's put sessions), by name
         self._streams: dict[str, StepStream] = {}
-        if store.cfg.store.write_policy == "write_through" and self.keys:
+        if streamed and store.cfg.store.write_policy == "write_through" and self.keys:
             bufs = [self._inner.buffer(i) for i in range(len(self.keys))]
             for tier in store.tiers[1:]:
                 stream = tier.stream(self.keys, self.layouts, bufs)

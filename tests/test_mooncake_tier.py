@@ -409,7 +409,7 @@ def test_a_steps_pages_stream_to_mooncake_layer_by_layer_and_are_readable_only_o
                 return (lambda *a: calls.append(name) or f(*a)) if name.startswith("batch_put") else f
 
         mc._store = Counting()
-        with store.open_session(keys[:4], [layout] * 4) as session:
+        with store.open_session(keys[:4], [layout] * 4, streamed=True) as session:
             assert session.streaming
             for layer in range(layout.num_layers):
                 a, b = layout.layer_range(layer)
@@ -429,7 +429,7 @@ def test_a_steps_pages_stream_to_mooncake_layer_by_layer_and_are_readable_only_o
         assert ok == [True] * 3 and all((o == p).all() for o, p in zip(outs, payloads))
 
         calls.clear()
-        with store.open_session(keys[3:], [layout] * 2) as session:
+        with store.open_session(keys[3:], [layout] * 2, streamed=True) as session:
             a, b = layout.layer_range(0)
             session.buffer(0)[:] = payloads[3]
             session.filled([0], a, b)
@@ -437,23 +437,30 @@ def test_a_steps_pages_stream_to_mooncake_layer_by_layer_and_are_readable_only_o
         mc._streamer.submit(lambda: None).result()
         assert calls[0] == "batch_put_session_start" and calls[-1] == "batch_put_session_revoke"
         assert mc.contains(keys[3:]) == [False, False]
-        with store.open_session(keys[3:], [layout] * 2) as session:  # (revoked keys are free again)
+        with store.open_session(keys[3:], [layout] * 2, streamed=True) as session:  # (revoked keys are free again)
             for i, p in enumerate(payloads[3:]):
                 session.buffer(i)[:] = p
-                session.filled([i], 0, layout.payload_bytes)
+            session.filled([0], *layout.layer_range(0))  # (the rest never said filled: put at the commit)
             session.commit()
         session.written_through.result()
         assert mc.contains(keys[3:]) == [True, True]
+        store.memory.delete(keys)
+        ok, outs = _read(mc, layout, keys[3:])
+        assert ok == [True, True] and all((o == p).all() for o, p in zip(outs, payloads[3:]))
 
 
-def test_a_step_streams_nothing_when_it_is_off_or_the_tier_is_not_connected(layout):
+def test_a_step_streams_nothing_when_it_is_off_its_caller_reports_no_ranges_or_the_tier_is_not_connected(layout):
     keys, payloads, _ = make_pages(layout, 2, seed=12)
     with start_master() as m, _streaming_store(m.url, stream_stores=False) as store:
         store.tiers[-1].contains(keys)
-        with store.open_session(keys, [layout] * 2) as session:
+        with store.open_session(keys, [layout] * 2, streamed=True) as session:
             assert not session.streaming
+        with _streaming_store(m.url) as other:
+            other.tiers[-1].contains(keys)
+            with other.open_session(keys, [layout] * 2) as session:  # (a caller that reports no ranges)
+                assert not session.streaming
     with start_master() as m, _streaming_store(m.url) as store:
-        with store.open_session(keys, [layout] * 2) as session:  # (not connected yet: whole pages, after)
+        with store.open_session(keys, [layout] * 2, streamed=True) as session:  # (not connected yet: whole, after)
             assert not session.streaming
             for i, p in enumerate(payloads):
                 session.buffer(i)[:] = p

@@ -188,7 +188,7 @@ class LayerwiseTransfer:
         all_keys = [k for g in order for k in by_group[g][0]]
         layouts = [self.groups[g] for g in order for _ in by_group[g][0]]
         try:
-            self._session = self.store.open_session(all_keys, layouts)
+            self._session = self.store.open_session(all_keys, layouts, streamed=True)
         except TierFullError:
             self.stats.add(dropped_pages=len(all_keys))
             log.warning("lmkv: no room in memory for %d pages; not storing them this step", len(all_keys))

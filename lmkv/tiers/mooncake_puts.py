@@ -60,6 +60,8 @@ class PutStream:
         self.keys = list(keys)
         self._names = list(names)
         self._hdrs = [header_bytes(lay) for lay in layouts]
+        self._sizes = [lay.payload_bytes for lay in layouts]
+        self._put_ranges: list[set[tuple[int, int]]] = [set() for _ in self.keys]  # per page, what was put
         self._ptrs = list(ptrs)
         self._started = [False] * len(self.keys)  # reserved by this session (and not ended or revoked yet)
         self._live = [False] * len(self.keys)  # started, and every range so far put
@@ -99,6 +101,8 @@ class PutStream:
                 return
         self._put(live, [self._ptrs[i] + start for i in live], [end - start] * len(live),
                   [self._hdrs[i] + start for i in live])
+        for i in live:
+            self._put_ranges[i].add((start, end))
 
     def _put(self, live: list[int], ptrs: list[int], sizes: list[int], offsets: list[int]) -> None:
         """One range of each page at ``live`` (from ``ptrs``, into its object at ``offsets``); a page
@@ -126,6 +130,10 @@ class PutStream:
         for i, (h, at) in enumerate(zip(headers, slots)):
             if h is None or at != self._ptrs[i]:  # (not stored, or a twin's slot: not what was streamed)
                 self._live[i] = False
+        gaps = [i for i, ok in enumerate(self._live) if ok and not self._whole(i)]
+        if gaps:  # (bytes the step never said were filled: put from the pinned slots now)
+            self._put(gaps, [self._ptrs[i] for i in gaps], [self._sizes[i] for i in gaps],
+                      [self._hdrs[i] for i in gaps])
         buf = self._header_buf
         live = [i for i, ok in enumerate(self._live) if ok]
         while live:  # (as many headers as the buffer holds at a time)
@@ -149,6 +157,15 @@ class PutStream:
                 self._started[i] = rc != 0
         self._revoke()
         return {k for k, ok, there in zip(self.keys, self._live, self._present) if ok or there}
+
+    def _whole(self, i: int) -> bool:
+        """Whether the ranges put of page ``i`` cover its payload."""
+        at = 0
+        for start, end in sorted(self._put_ranges[i]):
+            if start > at:
+                return False
+            at = max(at, end)
+        return at >= self._sizes[i]
 
     def abort(self) -> None:
         """The step aborted: every page of it is revoked (after :meth:`finish`: nothing to do)."""
