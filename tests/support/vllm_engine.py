@@ -15,13 +15,15 @@ BLOCK = 32
 
 def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefix_caching: bool = True,
              kv_bytes: int = 64 << 20, batched_tokens: int | None = 128, max_seqs: int = 8, max_len: int = 2048,
-             by_name: bool = False, log_stats: bool = False, kv_events_endpoint: str | None = None):
+             by_name: bool = False, log_stats: bool = False, kv_events_endpoint: str | None = None,
+             dtype: str = "bfloat16"):
     """An engine; ``lmkv=None`` runs without a connector. Chunked prefill is on (prompts > batched_tokens;
     ``None``: vLLM's default token budget).
 
     ``by_name`` names the connector only, relying on lmkv's vLLM plugin to register it; ``log_stats``:
     vLLM's stat loggers run (its Prometheus metrics, lmkv's among them, in this process's registry);
-    ``kv_events_endpoint``: vLLM publishes KV events there (its ZMQ publisher)."""
+    ``kv_events_endpoint``: vLLM publishes KV events there (its ZMQ publisher); ``dtype``: float32 where a
+    test compares tokens across different batch shapes (bfloat16 rounding then flips a greedy token)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -42,7 +44,7 @@ def make_llm(model: str, *, lmkv: dict | None, multiprocess: bool = False, prefi
         kw["max_num_batched_tokens"] = batched_tokens
     return LLM(
         model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len, block_size=BLOCK,
-        dtype="bfloat16", max_num_seqs=max_seqs,
+        dtype=dtype, max_num_seqs=max_seqs,
         kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=prefix_caching, seed=0,
         disable_log_stats=not log_stats, **kw,
     )
