@@ -18,8 +18,10 @@
   baseline: a plain threaded socket server sending the same bytes per request, same run.
 - ``server.shm.get_batch``: a GET of 64 pages of 64 KiB from a server on this host into the
   client's shared arena; baseline: the same GET over TCP.
-- ``server.write_through.4MiB``: a store's write-through of 32 pages of 4 MiB to the server, until
-  it holds them all; baseline: the same bytes sent to the plain server and acknowledged.
+- ``server.write_through.4MiB{,.tcp}``: a step's write-through of 32 pages of 4 MiB to the server,
+  from its commit until the server holds them all, the server on this host (shared memory) and
+  over TCP (``.tcp``, as to another host); baseline: the same bytes sent to the plain server and
+  acknowledged.
 - ``server.idle_rss``: the resident memory of an ``lmkv serve`` that has served nothing.
 """
 
@@ -331,35 +333,40 @@ def _batches(report: Report, url: str, rounds: int) -> None:
 
 
 def _write_through(report: Report, url: str, port: str, rounds: int) -> None:
-    """A store's write-through of 4 MiB pages to lmkv serve, until the server holds them all."""
+    """A step's write-through of 4 MiB pages to lmkv serve: from the step's commit (its pages in the
+    memory tier's slots, as the worker leaves them) until the server holds them all. On the server's
+    host (``shm: auto``, the default) the server copies from the shared arena; ``.tcp`` (``shm:
+    never``): the bytes go over the socket, as to a server on another host."""
     page, n = 4 << 20, 32
     lay = bench_layout(page)
     payloads = [np.random.default_rng(i).integers(0, 256, page, dtype=np.uint8) for i in range(n)]
-    cfg = load_config({"memory": {"capacity": "512MiB"}, "remote": {"url": url}}, environ={})
-    with TieredStore(cfg) as store, socket.create_connection(("127.0.0.1", int(port))) as raw:
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        pages = [(make_header(PageKey(os.urandom(16)), lay, p), p) for p in payloads]
-        ack = memoryview(bytearray(1))
+    what = "the same bytes sent to a plain socket server and acknowledged, same run"
+    for suffix, shm in (("", "auto"), (".tcp", "never")):
+        cfg = load_config({"memory": {"capacity": "512MiB"}, "remote": {"url": url, "shm": shm}}, environ={})
+        with TieredStore(cfg) as store, socket.create_connection(("127.0.0.1", int(port))) as raw:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ack = memoryview(bytearray(1))
 
-        def through() -> float:
-            keys = [PageKey(os.urandom(16)) for _ in range(n)]
-            fresh = [(header_of_digests(k, lay, h.digests), p) for k, (h, p) in zip(keys, pages)]
+            def through() -> float:
+                keys = [PageKey(os.urandom(16)) for _ in range(n)]
+                session = store.open_session(keys, [lay] * n)
+                for i, p in enumerate(payloads):
+                    np.frombuffer(session.buffer(i), np.uint8)[:] = p
+                session.commit()
+                assert session.written_through is not None
+                took = timed(session.written_through.result)
+                if not all(store.tiers[1].contains(keys)):
+                    raise RuntimeError("the server lacks pages written through")
+                store.delete(keys)
+                return gbps(n * page, took)
 
-            def go() -> None:
-                store.put_pages(fresh)
-                store.drain()
-            took = timed(go)
-            store.delete(keys)
-            return gbps(n * page, took)
+            def plain() -> float:
+                def go() -> None:
+                    raw.sendall(CMD.pack(1, n * page))
+                    for p in payloads:
+                        raw.sendall(p.data)
+                    recv_exact(raw, ack)
+                return gbps(n * page, timed(go))
 
-        def plain() -> float:
-            def go() -> None:
-                raw.sendall(CMD.pack(1, n * page))
-                for p in payloads:
-                    raw.sendall(p.data)
-                recv_exact(raw, ack)
-            return gbps(n * page, timed(go))
-
-        ours, base = interleaved(rounds, through, plain)
-    report.add("server.write_through.4MiB", ours, "GB/s", base,
-               "the same bytes sent to a plain socket server and acknowledged, same run")
+            ours, base = interleaved(rounds, through, plain)
+        report.add(f"server.write_through.4MiB{suffix}", ours, "GB/s", base, what)
