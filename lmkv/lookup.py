@@ -146,6 +146,25 @@ def find_prefix(keys_of: Callable[[int, int], Sequence[PageKey]], start: int, en
     return Lookup(tuple(where)), PrefixMemo(start, where, marks, ended, pos)
 
 
+def find_last(keys_of: Callable[[int, int], Sequence[PageKey]], start: int, end: int,
+              contains: Callable[[Sequence[PageKey]], list[bool]]) -> int:
+    """One past the last page in ``[start, end)`` whose key ``contains`` holds, or ``start`` if none.
+
+    A state group keeps one state per stored boundary, and a hit ends at the last boundary whose
+    state is held: asked from ``end`` back a chunk at a time (:data:`FIRST_CHUNK`, then 4x larger),
+    stopping at the first chunk with one, so a long prompt whose last boundary holds a state costs
+    one small question a step, not one key per page of its hit."""
+    hi, chunk = end, FIRST_CHUNK
+    while hi > start:
+        lo = max(start, hi - chunk)
+        present = contains(keys_of(lo, hi))
+        last = next((i for i in range(len(present) - 1, -1, -1) if present[i]), None)
+        if last is not None:
+            return lo + last + 1
+        hi, chunk = lo, chunk * 4
+    return start
+
+
 def _still_held(keys_of: Callable[[int, int], Sequence[PageKey]], memo: PrefixMemo,
                 tiers: Sequence[HasContains]) -> int:
     """How many pages of the memo's hit are surely still where they were: up to the first page a

@@ -90,3 +90,33 @@ def test_a_hit_ends_at_the_last_boundary_whose_state_is_held(store):
     assert loads[1].block_ids == [STATE_BLOCK]
     store.delete([keys_state[2]])
     assert sched.lookup(sched.track("c"), TOKENS, 0) == 0  # no state held: nothing can be restored
+
+
+def test_a_long_hits_state_is_asked_from_its_end_back_not_page_by_page(store):
+    """A 200-page hit whose states are held at pages 150 and 190: the lookup asks the 16 boundaries
+    before the end, then 64 more back, and ends the hit at 191 (every page's state asked before)."""
+    from lmkv.lookup import FIRST_CHUNK
+
+    tokens = list(range(3, 3 + 200 * TPP + 1))
+    sched = _sched(store)
+    st = sched.track("long")
+    st.seq.extend(tokens, 200)
+    keys_attn, keys_state = st.seq.keys(ATTN, 0, 200), st.seq.keys(STATE, 0, 200)
+    store.put(keys_attn, [ATTN] * 200, [bytes(ATTN.payload_bytes)] * 200)
+    asked: list[int] = []
+    real = store.contains
+
+    def counted(keys):
+        asked.append(len(keys))
+        return real(keys)
+
+    store.contains = counted
+    store.put([keys_state[150]], [STATE], [bytes(STATE.payload_bytes)])
+    assert sched.lookup(st, tokens, 0) == 151 * TPP
+    assert asked[-2:] == [FIRST_CHUNK, 4 * FIRST_CHUNK]  # (from page 199 back: 184-199, then 120-183)
+    store.put([keys_state[190]], [STATE], [bytes(STATE.payload_bytes)])
+    asked.clear()
+    assert sched.lookup(sched.track("again"), tokens, 0) == 191 * TPP
+    assert asked[-1] == FIRST_CHUNK
+    store.delete([keys_state[150], keys_state[190]])
+    assert sched.lookup(sched.track("none"), tokens, 0) == 0  # no state held anywhere: asked back to page 0

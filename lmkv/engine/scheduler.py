@@ -46,7 +46,7 @@ from lmkv.engine.plan import PageOp, StepPlan
 from lmkv.engine.sequence import SequenceKeys, Span
 from lmkv.keys import ChainHash, EngineBlockKey, KeySpace, PageKey, page_key
 from lmkv.layout import GroupLayout, Growth
-from lmkv.lookup import Lookup, PrefixMemo
+from lmkv.lookup import Lookup, PrefixMemo, find_last
 from lmkv.offload.lazy import FreeQueue, LazyOffload, Pick
 from lmkv.tiers.link import COPY_OUT
 
@@ -355,9 +355,8 @@ class OffloadScheduler:
         for layout in self.groups:
             if hit and layout.growth is Growth.PER_SEQUENCE:
                 # one state per stored boundary: the hit ends at the last boundary whose state is held
-                keys = self._keys_of(st, tokens, layout)(start, start + hit)
-                present = (self.store.contains_local if local else self.store.contains)(keys)
-                hit = max((i + 1 for i, p in enumerate(present) if p), default=0)
+                hit = find_last(self._keys_of(st, tokens, layout), start, start + hit,
+                                self.store.contains_local if local else self.store.contains) - start
         return hit, below
 
     @staticmethod
