@@ -341,11 +341,11 @@ def _write_through(report: Report, url: str, port: str, rounds: int) -> None:
     lay = bench_layout(page)
     payloads = [np.random.default_rng(i).integers(0, 256, page, dtype=np.uint8) for i in range(n)]
     what = "the same bytes sent to a plain socket server and acknowledged, same run"
+    ack = memoryview(bytearray(1))
     for suffix, shm in (("", "auto"), (".tcp", "never")):
         cfg = load_config({"memory": {"capacity": "512MiB"}, "remote": {"url": url, "shm": shm}}, environ={})
         with TieredStore(cfg) as store, socket.create_connection(("127.0.0.1", int(port))) as raw:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ack = memoryview(bytearray(1))
 
             def through() -> float:
                 keys = [PageKey(os.urandom(16)) for _ in range(n)]
