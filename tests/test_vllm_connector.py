@@ -422,7 +422,7 @@ def test_attention_mamba_hybrid_restores_pages_and_state(tmp_path):
         expected = generate(e, [p])
     cfg = {"memory": {"capacity": "256MiB", "verify_checksums": False}}
     with engine(model, lmkv=cfg, prefix_caching=False, batched_tokens=192) as e:
-        assert generate(e, [p]) == expected  # cold: stores the pages, and the state at tokens 192 and 288
+        assert generate(e, [p]) == expected  # cold: stores the pages, and the state at 192 and the last boundary
         outs = run(e, [p])
         assert [list(o.outputs[0].token_ids) for o in outs] == expected
         # vLLM sizes a hybrid model's attention blocks to line up with its Mamba state pages
