@@ -459,11 +459,24 @@ def test_a_step_streams_nothing_when_it_is_off_its_caller_reports_no_ranges_or_t
             other.tiers[-1].contains(keys)
             with other.open_session(keys, [layout] * 2) as session:  # (a caller that reports no ranges)
                 assert not session.streaming
-    with start_master() as m, _streaming_store(m.url) as store:
-        with store.open_session(keys, [layout] * 2, streamed=True) as session:  # (not connected yet: whole, after)
+    port = free_port()  # (a store opened before its master: its first connection fails)
+    with _streaming_store(f"mooncake://127.0.0.1:{port}") as store:
+        with store.open_session(keys, [layout] * 2, streamed=True) as session:  # (not connected: whole, after)
             assert not session.streaming
-            for i, p in enumerate(payloads):
-                session.buffer(i)[:] = p
-            session.commit()
-        session.written_through.result()
-        assert store.tiers[-1].contains(keys) == [True, True]
+            with start_master(port):
+                for i, p in enumerate(payloads):
+                    session.buffer(i)[:] = p
+                session.commit()
+                session.written_through.result()
+                assert store.tiers[-1].contains(keys) == [True, True]
+
+
+def test_a_store_connects_to_mooncake_as_it_opens(layout):
+    """Mooncake's client setup takes long enough that an engine's first lookups would take it for a
+    stalled network and miss: the store starts it as it opens, before any call."""
+    with start_master() as m, _streaming_store(m.url) as store:
+        deadline = time.monotonic() + 10
+        while not store.tiers[-1].connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.tiers[-1].connected
+        assert store.tiers[-1].stats.puts == store.tiers[-1].stats.hits == store.tiers[-1].stats.misses == 0

@@ -54,6 +54,7 @@ def open_tiers(cfg: LMKVConfig, on_evict: EvictHook | None = None, lower: Sequen
     memory = MemoryTier(cfg.memory, on_evict=on_evict, shared=share, accounts=accounts.get("memory"))
     if remote is not None:
         remote.share_arena(memory.arena, memory.quarantine)
+        remote.connect_soon()  # (after sharing: the arena is registered as it connects)
     below: list[Tier] = [DiskTier(cfg.disk, accounts=accounts.get("disk"))] if cfg.disk.path else []
     below.extend(lower)
     if remote is not None:
@@ -77,5 +78,6 @@ def open_views(cfg: LMKVConfig) -> tuple[list[HasContains], RemoteTier | None]:
     remote = open_remote(rc, cfg.namespace)
     views: list[HasContains] = [DiskView(cfg.disk.path)] if cfg.disk.path else []
     if remote is not None:
+        remote.connect_soon()
         views.append(remote)
     return views, remote

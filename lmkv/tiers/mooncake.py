@@ -212,14 +212,28 @@ class MooncakeTier(RemoteTier):
         with self._lock:
             if self._store is not None:
                 return self._store
-            if self._connecting is None or self._connecting.done():
-                self._connecting = self._calls.submit(self._connect)
-            fut = self._connecting
+            fut = self._start_connecting()
         try:
             return fut.result(timeout=self.cfg.connect_timeout)
         except FutureTimeout:
             raise TierUnavailableError(f"{self.name}: master {self.master} did not answer in "
                                        f"{self.cfg.connect_timeout} s") from None
+
+    @property
+    def connected(self) -> bool:
+        """Whether a client is set up with the master (it stays so while the master is away)."""
+        return self._store is not None
+
+    def connect_soon(self) -> None:
+        with self._lock:
+            if self._store is None:
+                self._start_connecting()
+
+    def _start_connecting(self) -> Future:
+        """The connection in progress, started if there is none (under ``_lock``)."""
+        if self._connecting is None or self._connecting.done():
+            self._connecting = self._calls.submit(self._connect)
+        return self._connecting
 
     def _run(self, call: Callable[..., T], *args) -> T:
         """``call(client, *args)`` on a call thread, waited for at most ``remote.timeout``."""

@@ -211,6 +211,11 @@ class RemoteTier(Tier):
         on wait in ``quarantine`` (:mod:`lmkv.tiers.quarantine`). Without it, pages cross a buffer of
         the tier's own."""
 
+    def connect_soon(self) -> None:
+        """Start connecting in the background, where a first connection takes long enough to make an
+        engine's first lookups miss (Mooncake's client setup registers its buffers with the master:
+        a lookup waiting on it looks like a stalled network). The others connect on first use."""
+
     def __init__(self, name: str, cfg: RemoteConfig) -> None:
         super().__init__(name)
         self.cfg = cfg
