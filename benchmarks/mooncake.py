@@ -153,7 +153,7 @@ def _size(report: Report, tier, raw, reg: np.ndarray, arena: np.ndarray, label: 
         headers = [make_header(k, lay, p) for k, p in zip(fresh, payloads)]  # (untimed: the step hashes them)
 
         def go() -> None:
-            stream = tier.stream(fresh, [lay] * n, srcs)
+            stream = tier.stream(fresh, [lay] * n, srcs, "bench")
             if stream is None:
                 raise RuntimeError("the Mooncake tier took no put session")
             for layer in range(lay.num_layers):

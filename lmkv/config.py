@@ -217,6 +217,10 @@ class RemoteConfig(_Section):
         "auto", description="lmkv server on this host: move bulk bytes through shared memory"
     )
     shm_size: ByteSize = Field(ByteSize(64 << 20), description="shared-memory window per connection")
+    stream_stores: bool = Field(
+        True, description="lmkv server: a step's pages go to the server layer by layer as the forward computes "
+        "them, in one put session made readable when the step commits (off: written through whole after the "
+        "commit)")
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
 
     @field_validator("url")

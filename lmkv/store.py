@@ -556,7 +556,7 @@ class StoreSession:
         if streamed and store.cfg.store.write_policy == "write_through" and self.keys:
             bufs = [self._inner.buffer(i) for i in range(len(self.keys))]
             for tier in store.tiers[1:]:
-                stream = tier.stream(self.keys, self.layouts, bufs)
+                stream = tier.stream(self.keys, self.layouts, bufs, domain)
                 if stream is not None:
                     self._streams[tier.name] = stream
 

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -37,7 +38,7 @@ from lmkv.layout import GroupLayout, Segment, StateKind
 from lmkv.page import PageHeader, packed_as, rekey, units_in_ranges, unpack_header
 from lmkv.serve.admission import AuthFailures
 from lmkv.serve.tenants import Counters, Tenant, Tenants
-from lmkv.store import TieredStore
+from lmkv.store import StoreSession, TieredStore
 from lmkv.wire import shm_window
 from lmkv.wire.protocol import (
     MAX_KEYS,
@@ -49,6 +50,7 @@ from lmkv.wire.protocol import (
     GetReply,
     HelloReply,
     Op,
+    Opened,
     PeerClosed,
     ProtocolError,
     Stats,
@@ -89,6 +91,19 @@ def opaque_layout(header: PageHeader) -> GroupLayout:
     the real layout's fingerprint, so a page is only ever served as the layout it was made for.
     """
     return GroupLayout("opaque", StateKind.FULL_ATTENTION, 1, (Segment("payload", header.payload_len),), 1, "uint8")
+
+
+#: put sessions one connection may hold open at once (a step's, and the next one's while it ends)
+MAX_OPEN_PUTS = 4
+
+
+@dataclass
+class OpenPut:
+    """A put session (``PUT_OPEN``): the pages' room in a store session, filled by ``PUT_RANGE``."""
+
+    keys: list[bytes]  # as the client names them
+    layouts: list[GroupLayout]
+    session: StoreSession
 
 
 class Refused(Exception):
@@ -133,6 +148,8 @@ class Client:
         self._maps: list[mmap.mmap] = []
         #: held around every copy into or out of the client's shared memory; ``revoked`` under it
         self._copying = threading.Lock()
+        self._puts: dict[int, OpenPut] = {}  # put sessions open on this connection, by number
+        self._put_numbers = itertools.count(1)
         self._revoked = False
 
     def revoke(self) -> None:
@@ -234,6 +251,17 @@ class Client:
             self.get(req, store)
         elif op is Op.PUT:
             self.put(req, bulk, store)
+        elif op is Op.PUT_OPEN:
+            self.put_open(req, store)
+        elif op is Op.PUT_RANGE:
+            self.put_range(req, bulk)
+        elif op is Op.PUT_END:
+            self.put_end(req)
+        elif op is Op.PUT_ABORT:
+            self._open_put(req.session).session.abort()
+            del self._puts[req.session]
+            self._arm_timeout()
+            self.reply(Empty())
         elif op is Op.DELETE:
             _check_keys(req.keys)
             self.reply(Count(store.delete([self.inner(k) for k in req.keys])))
@@ -439,14 +467,113 @@ class Client:
                 for i in range(len(headers)):
                     recv_exact(self.sock, memoryview(session.buffer(i)), deadline)
             stored = session.commit(inner)
-        self.sock.settimeout(self.server.cfg.server.idle_timeout)
+        self._arm_timeout()
+        self._count_stored(headers, stored)
+        self.reply(Stored(stored))
+
+    def _count_stored(self, headers: list[PageHeader], stored: list[bool]) -> None:
         counters = self.counters
         counters.puts += sum(stored)
         counters.put_bytes += sum(h.payload_len for h, ok in zip(headers, stored) if ok)
         counters.refused += len(stored) - sum(stored)
+
+    def _arm_timeout(self) -> None:
+        """While a put session is open its client has ``payload_timeout`` between requests (its room is
+        reserved: a client that went quiet loses the session with the connection, not after the idle
+        timeout); otherwise ``idle_timeout``."""
+        cfg = self.server.cfg.server
+        self.sock.settimeout(cfg.payload_timeout if self._puts else cfg.idle_timeout)
+
+    # -- put sessions: a step's pages streamed as they are computed ---------------
+
+    def put_open(self, req, store: TieredStore) -> None:
+        _check_keys(req.keys)
+        if len(req.layouts) != len(req.keys):
+            raise Refused("PUT_OPEN: one layout per key")
+        if len(self._puts) >= MAX_OPEN_PUTS:
+            raise Refused(f"{MAX_OPEN_PUTS} put sessions open on this connection already")
+        try:
+            lays = [m.layout() for m in req.layouts]
+        except ValueError as e:
+            raise Refused(f"bad layout: {e}") from None
+        max_bulk = int(self.server.cfg.server.max_bulk)
+        if any(lay.payload_bytes > max_bulk for lay in lays):
+            raise Refused(f"a page exceeds max_bulk {max_bulk}")
+        domain = self.owned_domain(req.domain)
+        try:
+            session = store.open_session([self.inner(k) for k in req.keys], lays, domain)
+        except TierFullError:
+            self.counters.refused += len(req.keys)
+            self.reply(Opened(None))
+            return
+        number = next(self._put_numbers)
+        self._puts[number] = OpenPut(list(req.keys), lays, session)
+        self._arm_timeout()
+        self.reply(Opened(number))
+
+    def _open_put(self, number: int) -> OpenPut:
+        put = self._puts.get(number)
+        if put is None:
+            raise Refused(f"no put session {number} on this connection")
+        return put
+
+    def put_range(self, req, bulk: int) -> None:
+        put = self._open_put(req.session)
+        n = len(put.keys)
+        if not req.pages or len(req.pages) > n or any(not 0 <= i < n for i in req.pages):
+            raise Refused(f"PUT_RANGE: pages out of the session's {n}")
+        start, end = req.start, req.end
+        if any(not 0 <= start < end <= put.layouts[i].payload_bytes for i in req.pages):
+            raise Refused(f"PUT_RANGE: [{start}, {end}) lies outside a page")
+        size = end - start
+        if req.src is None:
+            if bulk != size * len(req.pages):
+                raise Refused(f"bulk of {bulk} bytes; the range describes {size * len(req.pages)}")
+            deadline = time.monotonic() + self.server.cfg.server.payload_timeout
+            for i in req.pages:
+                recv_exact(self.sock, memoryview(put.session.buffer(i)[start:end]), deadline)
+            self._arm_timeout()
+        else:
+            mem = self.arena
+            if mem is None:
+                raise Refused("no shared arena on this connection")
+            if bulk or len(req.src) != len(req.pages):
+                raise Refused("src: one offset per page, and no bulk")
+            if any(o < 0 or o + end > len(mem) for o in req.src):
+                raise Refused(f"a range lies outside the {len(mem)}-byte shared region")
+            with self._shared():
+                for i, o in zip(req.pages, req.src):
+                    put.session.buffer(i)[start:end] = mem[o + start : o + end]
+        self.reply(Empty())
+
+    def put_end(self, req) -> None:
+        put = self._open_put(req.session)
+        del self._puts[req.session]
+        self._arm_timeout()
+        with put.session:  # (refused: every page dropped)
+            if len(req.headers) != len(put.keys):
+                raise Refused("PUT_END: one header (or none) per page")
+            headers: list[PageHeader | None] = []
+            for raw, key, lay in zip(req.headers, put.keys, put.layouts):
+                if raw is None:
+                    headers.append(None)
+                    continue
+                try:
+                    h = unpack_header(raw)
+                except PageError as e:
+                    raise Refused(f"bad page header: {e}") from None
+                if h.key != key or h.layout_fp != lay.fingerprint or h.payload_len != lay.payload_bytes:
+                    raise Refused("PUT_END: a header is not its page's (key, layout or size)")
+                headers.append(h)
+            stored = put.session.commit([None if h is None else rekey(h, self.inner(h.key)) for h in headers])
+        given = [(h, ok) for h, ok in zip(headers, stored) if h is not None]  # (pages left out: not refused)
+        self._count_stored([h for h, _ in given], [ok for _, ok in given])
         self.reply(Stored(stored))
 
     def close(self) -> None:
+        for put in self._puts.values():  # (never ended: none of their pages become readable)
+            put.session.abort()
+        self._puts.clear()
         self.window = self.arena = None
         for m in self._maps:
             try:
@@ -465,6 +592,6 @@ class Fatal(Refused):
 
 
 #: requests that touch pages: only a token granted namespaces may send them
-PAGE_OPS = {Op.EXISTS, Op.GET, Op.PUT, Op.DELETE}
+PAGE_OPS = {Op.EXISTS, Op.GET, Op.PUT, Op.DELETE, Op.PUT_OPEN, Op.PUT_RANGE, Op.PUT_END, Op.PUT_ABORT}
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,9 +58,20 @@ class ResidencyListener(Protocol):
     def removed(self, key: PageKey) -> None: ...
 
 
+def covered(ranges: Iterable[tuple[int, int]], size: int) -> bool:
+    """Whether byte ``ranges`` cover ``[0, size)`` (what a stream sent of a page, before it ends it)."""
+    at = 0
+    for start, end in sorted(ranges):
+        if start > at:
+            return False
+        at = max(at, end)
+    return at >= size
+
+
 class StepStream(Protocol):
     """A step's pages going down to a tier while the step computes them, made readable there when it
-    commits (:meth:`Tier.stream`; Mooncake's put sessions: :mod:`lmkv.tiers.mooncake_puts`)."""
+    commits (:meth:`Tier.stream`; Mooncake's put sessions, :mod:`lmkv.tiers.mooncake_puts`; the lmkv
+    server's, :mod:`lmkv.tiers.server_puts`)."""
 
     def filled(self, indices: Sequence[int], start: int, end: int,
                ready: Callable[[], object] | None = None) -> None:
@@ -183,9 +194,11 @@ class Tier(ABC):
         """Bytes held back from reuse for writers that may still finish late (:mod:`lmkv.tiers.quarantine`)."""
         return 0
 
-    def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence) -> StepStream | None:
-        """A step's pages (filling ``bufs``, memory-tier slots) taken layer by layer as they fill, or
-        None: the tier takes them whole when the step's write-through copies them down (the default)."""
+    def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence,
+               domain: str) -> StepStream | None:
+        """A step's pages (filling ``bufs``, memory-tier slots; owned by ``domain``) taken layer by
+        layer as they fill, or None: the tier takes them whole when the step's write-through copies
+        them down (the default)."""
         return None
 
     @abstractmethod

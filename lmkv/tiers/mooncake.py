@@ -138,7 +138,8 @@ class MooncakeTier(RemoteTier):
         self._arena = arena.buf
         self._quarantine = quarantine
 
-    def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence) -> PutStream | None:
+    def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence,
+               domain: str) -> PutStream | None:
         """A put session for a step's pages, put layer by layer from ``bufs`` (their memory slots) as
         they fill (:mod:`lmkv.tiers.mooncake_puts`); None where it cannot be: ``mooncake.stream_stores``
         off, the tier down or not connected yet (a step never waits for a connection), the arena not

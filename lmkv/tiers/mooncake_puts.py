@@ -31,6 +31,7 @@ from lmkv.errors import TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, header_bytes
+from lmkv.tiers.base import covered
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class PutStream:
         for i, (h, at) in enumerate(zip(headers, slots)):
             if h is None or at != self._ptrs[i]:  # (not stored, or a twin's slot: not what was streamed)
                 self._live[i] = False
-        gaps = [i for i, ok in enumerate(self._live) if ok and not self._whole(i)]
+        gaps = [i for i, ok in enumerate(self._live) if ok and not covered(self._put_ranges[i], self._sizes[i])]
         if gaps:  # (bytes the step never said were filled: put from the pinned slots now)
             self._put(gaps, [self._ptrs[i] for i in gaps], [self._sizes[i] for i in gaps],
                       [self._hdrs[i] for i in gaps])
@@ -157,15 +158,6 @@ class PutStream:
                 self._started[i] = rc != 0
         self._revoke()
         return {k for k, ok, there in zip(self.keys, self._live, self._present) if ok or there}
-
-    def _whole(self, i: int) -> bool:
-        """Whether the ranges put of page ``i`` cover its payload."""
-        at = 0
-        for start, end in sorted(self._put_ranges[i]):
-            if start > at:
-                return False
-            at = max(at, end)
-        return at >= self._sizes[i]
 
     def abort(self) -> None:
         """The step aborted: every page of it is revoked (after :meth:`finish`: nothing to do)."""

@@ -46,6 +46,7 @@ from lmkv.tiers.base import Range
 from lmkv.tiers.quarantine import Quarantine, lendable
 from lmkv.tiers.remote import Checked, RemoteTier, batches
 from lmkv.tiers.server_connection import Connection, UnixEndpoint
+from lmkv.tiers.server_puts import ServerPutStream
 from lmkv.wire import shm_window
 from lmkv.wire.protocol import (
     MAX_KEYS,
@@ -74,6 +75,8 @@ log = logging.getLogger(__name__)
 ARENA_CHUNK_BYTES = 8 << 20
 #: chunk requests sent ahead of the one being answered (the server never waits for the next)
 ARENA_AHEAD = 3
+#: put sessions streaming at once (each holds a connection and a thread while its step computes)
+STREAMS_OPEN = 4
 
 
 def parse_url(url: str) -> tuple[str, int, bool]:
@@ -116,6 +119,8 @@ class ServerTier(RemoteTier):
         self._quarantine: Quarantine | None = None  # where slots lent to an abandoned request wait
         self._unix: UnixEndpoint | None = None  # learned from a TCP HELLO; forgotten when it fails
         self._verifier = threads.pool(1, f"lmkv-{name}-verify")
+        self._streamer = threads.pool(STREAMS_OPEN, f"lmkv-{name}-stream")
+        self._streams_open = 0  # (under _lock)
         self._closing = threading.Event()
 
     @property
@@ -129,6 +134,25 @@ class ServerTier(RemoteTier):
         if arena.window is not None:
             self._arena = arena.window
             self._quarantine = quarantine
+
+    def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence,
+               domain: str) -> ServerPutStream | None:
+        """A put session for a step's pages, sent layer by layer from ``bufs`` (their memory slots)
+        as they fill (:mod:`lmkv.tiers.server_puts`); None where it cannot be: ``remote.stream_stores``
+        off, the tier down, more pages than one request names, or :data:`STREAMS_OPEN` streaming."""
+        if not self.cfg.stream_stores or not keys or len(keys) > MAX_KEYS or not self.health.up:
+            return None
+        with self._lock:
+            if self._streams_open >= STREAMS_OPEN:
+                return None
+            self._streams_open += 1
+        return ServerPutStream(self.name, keys, layouts, bufs, domain, self._conn,
+                               lambda c: self._arena_offsets(c, bufs), self._layout_msg, self._call,
+                               self.cfg.timeout, self._streamer.submit, self._stream_closed)
+
+    def _stream_closed(self, _: Future) -> None:
+        with self._lock:
+            self._streams_open -= 1
 
     @contextmanager
     def _conn(self):
@@ -427,6 +451,7 @@ class ServerTier(RemoteTier):
         super().close()
         self._closing.set()
         self._verifier.shutdown(wait=False)
+        self._streamer.shutdown(wait=False)  # (a stream still waiting for its step gives up on its own)
         with self._lock:
             idle, self._idle = self._idle, []
         for c in idle:

@@ -68,6 +68,10 @@ class Op(enum.IntEnum):
     CLEAR = 6
     STATS = 7
     PING = 8
+    PUT_OPEN = 9
+    PUT_RANGE = 10
+    PUT_END = 11
+    PUT_ABORT = 12
 
 
 class ProtocolError(LMKVError):
@@ -194,6 +198,46 @@ class Stored(msgspec.Struct):
     stored: list[bool]
 
 
+class PutOpen(msgspec.Struct):
+    """A put session: room for a step's pages, filled range by range (``PUT_RANGE``) while the step
+    computes them, readable only once ``PUT_END`` gives their headers (``PUT_ABORT``, or the
+    connection's end: nothing)."""
+
+    keys: list[bytes]
+    layouts: list[LayoutMsg]  # page i's
+    domain: str
+
+
+class Opened(msgspec.Struct):
+    """PUT_OPEN's answer: the session's number on this connection; None: no room for the pages."""
+
+    session: int | None
+
+
+class PutRange(msgspec.Struct):
+    """Bytes ``[start, end)`` of the session's pages at ``pages``: from the client's arena at ``src[i]``
+    plus ``start`` (each page's payload offset there), or in the bulk, page after page."""
+
+    session: int
+    pages: list[int]
+    start: int
+    end: int
+    src: list[int] | None = None
+
+
+class PutEnd(msgspec.Struct):
+    """The session's pages made readable: their packed headers (None: the page is not stored)."""
+
+    session: int
+    headers: list[bytes | None]
+
+
+class PutAbort(msgspec.Struct):
+    """The session's pages dropped, none readable."""
+
+    session: int
+
+
 class Clear(msgspec.Struct):
     """Drop a residency domain of the caller's (``domain``), or, with admin rights, every page of
     the tenant named ``tenant``."""
@@ -228,7 +272,8 @@ class ErrorReply(msgspec.Struct):
 
 REQUESTS: dict[Op, type] = {
     Op.HELLO: Hello, Op.EXISTS: Keys, Op.GET: Get, Op.PUT: Put, Op.DELETE: Keys,
-    Op.CLEAR: Clear, Op.STATS: Empty, Op.PING: Empty,
+    Op.CLEAR: Clear, Op.STATS: Empty, Op.PING: Empty, Op.PUT_OPEN: PutOpen, Op.PUT_RANGE: PutRange,
+    Op.PUT_END: PutEnd, Op.PUT_ABORT: PutAbort,
 }
 #: keyed by the op's number as it comes off the wire (an ``Op(n)`` per request costs more than the decode)
 _decoders: dict[int, tuple[Op, msgspec.msgpack.Decoder]] = {
