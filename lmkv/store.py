@@ -367,9 +367,14 @@ class TieredStore:
             tier_failed(tier, "write", err)
             self.retries.failed(tier.name, [h.key for h, _ in pages], domain, from_memory)
             return [False] * len(pages)
+        self.retry_failed(tier)
+        return stored
+
+    def retry_failed(self, tier: Tier) -> None:
+        """``tier`` just took a write: copy again from memory the pages it failed to take before
+        (``store.failed_writes: retry``)."""
         if self.retries.pending(tier.name):
             self.retries.run(tier, self.memory)
-        return stored
 
     def _demote(self, evicted: list[tuple[PageHeader, np.ndarray, list[str]]]) -> None:
         """Write-back: memory evicted these pages; keep them in the next tier down unless it holds
@@ -615,6 +620,8 @@ class StoreSession:
                 todo = [(h, v) for h, v in pages if h.key not in done] if done else pages
                 if todo:
                     self._store.write_down(tier, todo, self._domain)
+                elif fut is not None and done:  # (the stream took them all: the tier took a write)
+                    self._store.retry_failed(tier)
 
     def abort(self) -> None:
         for stream in self._streams.values():
