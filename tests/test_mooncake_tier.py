@@ -424,6 +424,7 @@ def test_a_steps_pages_stream_to_mooncake_layer_by_layer_and_are_readable_only_o
         assert calls == (["batch_put_session_start"] + ["batch_put_from_multi_buffer_ranges"] * layout.num_layers
                          + ["batch_put_from_multi_buffer_ranges", "batch_put_session_end", "batch_put_session_revoke"])
         assert mc.contains(keys[:4]) == [True, True, True, False]
+        assert (mc.stats.puts, mc.stats.put_bytes) == (3, 3 * layout.payload_bytes)  # (counted as any write)
         store.memory.delete(keys)
         ok, outs = _read(mc, layout, keys[:3])  # (verified against the headers written last)
         assert ok == [True] * 3 and all((o == p).all() for o, p in zip(outs, payloads))

@@ -57,6 +57,7 @@ def test_a_steps_pages_stream_to_the_server_layer_by_layer_and_are_readable_only
         assert ops.count(Op.PUT_OPEN) == 1 and ops.count(Op.PUT_RANGE) == layout.num_layers
         assert ops.count(Op.PUT_END) == 1 and Op.PUT not in ops  # (nothing left to write through)
         assert remote.contains(keys) == [True, True, False]
+        assert (remote.stats.puts, remote.stats.put_bytes) == (2, 2 * layout.payload_bytes)
         outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys[:2]]
         assert all(h is not None for h in reader.tiers[-1].get(keys[:2], layout, outs))
         assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))

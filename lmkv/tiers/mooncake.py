@@ -162,7 +162,7 @@ class MooncakeTier(RemoteTier):
 
         return PutStream(self.name, call, self._streamer.submit, self._stream_headers, keys,
                          [self._name(k) for k in keys], layouts,
-                         [base + o for o in offsets], self._stream_closed)  # type: ignore[operator]
+                         [base + o for o in offsets], self._stream_closed, self.stats)  # type: ignore[operator]
 
     def _stream_closed(self, _: Future) -> None:
         with self._lock:

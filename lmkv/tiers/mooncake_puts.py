@@ -31,7 +31,7 @@ from lmkv.errors import TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, header_bytes
-from lmkv.tiers.base import covered
+from lmkv.tiers.base import TierStats, covered
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,13 @@ class PutStream:
 
     def __init__(self, tier: str, call: Callable[..., list[int]], submit: Callable[..., Future],
                  header_buf: np.ndarray, keys: Sequence[PageKey], names: Sequence[str],
-                 layouts: Sequence[GroupLayout], ptrs: Sequence[int], closed: Callable[[Future], object]) -> None:
+                 layouts: Sequence[GroupLayout], ptrs: Sequence[int], closed: Callable[[Future], object],
+                 stats: TierStats) -> None:
         """``call(fn, *args)``: ``fn(client, *args)`` on the tier's client, bounded by ``remote.timeout``
         (raises TierUnavailableError); ``submit``: the tier's streaming thread; ``header_buf``: memory
         registered with the client, this stream's while it finishes; ``closed``: called with the
-        future of the stream's last call (its finish or abort) once done."""
+        future of the stream's last call (its finish or abort) once done; ``stats``: the tier's, where
+        the pages it stored are counted."""
         self._tier = tier
         self._call = call
         self._submit = submit
@@ -69,6 +71,7 @@ class PutStream:
         self._present = [False] * len(self.keys)  # the object was there already (the same page)
         self._closed = False
         self._on_closed = closed
+        self._stats = stats
         self._submit(self._start, [h + lay.payload_bytes for h, lay in zip(self._hdrs, layouts)])
 
     def _start(self, sizes: list[int]) -> None:
@@ -156,6 +159,9 @@ class PutStream:
             for i, rc in zip(ended, rcs):
                 self._live[i] = rc == 0
                 self._started[i] = rc != 0
+                if rc == 0:
+                    self._stats.puts += 1
+                    self._stats.put_bytes += self._sizes[i]
         self._revoke()
         return {k for k, ok, there in zip(self.keys, self._live, self._present) if ok or there}
 

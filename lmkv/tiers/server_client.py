@@ -148,7 +148,7 @@ class ServerTier(RemoteTier):
             self._streams_open += 1
         return ServerPutStream(self.name, keys, layouts, bufs, domain, self._conn,
                                lambda c: self._arena_offsets(c, bufs), self._layout_msg, self._call,
-                               self.cfg.timeout, self._streamer.submit, self._stream_closed)
+                               self.cfg.timeout, self._streamer.submit, self._stream_closed, self.stats)
 
     def _stream_closed(self, _: Future) -> None:
         with self._lock:

@@ -35,7 +35,7 @@ from lmkv.errors import LMKVError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader
-from lmkv.tiers.base import covered
+from lmkv.tiers.base import TierStats, covered
 from lmkv.wire.protocol import Empty, LayoutMsg, Op, Opened, PutAbort, PutEnd, PutOpen, PutRange, RemoteError, Stored
 
 log = logging.getLogger(__name__)
@@ -60,11 +60,12 @@ class ServerPutStream:
                  domain: str, connect: Callable[[], AbstractContextManager[Any]],
                  offsets: Callable[[Any], list[int] | None], layout_msg: Callable[[GroupLayout], LayoutMsg],
                  guarded: Callable[..., Any], timeout: float, submit: Callable[..., Future],
-                 closed: Callable[[Future], object]) -> None:
+                 closed: Callable[[Future], object], stats: TierStats) -> None:
         """``connect()``: one of the tier's connections (a context manager); ``offsets(conn)``: the
         pages' arena offsets if the server maps the arena (else None: bytes travel in requests);
         ``guarded(fn)``: ``fn()`` under the tier's health; ``timeout``: the longest wait for the step
-        or the server; ``submit``: the thread the stream runs on; ``closed``: called once it ends."""
+        or the server; ``submit``: the thread the stream runs on; ``closed``: called once it ends;
+        ``stats``: the tier's, where the pages it stored are counted."""
         self._tier = tier
         self.keys = list(keys)
         self._layouts = list(layouts)
@@ -73,6 +74,7 @@ class ServerPutStream:
         self._domain = domain
         self._connect, self._offsets, self._layout_msg = connect, offsets, layout_msg
         self._timeout = timeout
+        self._stats = stats
         self._sent: list[list[tuple[int, int]]] = [[] for _ in self.keys]  # per page, the ranges sent
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._result: Future[set[PageKey]] = Future()
@@ -163,4 +165,8 @@ class ServerPutStream:
         stored = c.call(Op.PUT_END, PutEnd(number, headers), Stored).stored
         if len(stored) != len(self.keys):
             raise LMKVError(f"PUT_END answered for {len(stored)} pages of {len(self.keys)}")
+        for lay, s in zip(self._layouts, stored):
+            if s:
+                self._stats.puts += 1
+                self._stats.put_bytes += lay.payload_bytes
         return {k for k, s in zip(self.keys, stored) if s}
