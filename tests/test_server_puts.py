@@ -84,7 +84,8 @@ def test_a_steps_pages_stream_to_the_server_layer_by_layer_and_are_readable_only
 
 def test_a_stream_that_fails_leaves_its_pages_to_the_write_through_and_nothing_half_written(server, layout):
     """The server refuses a range: the session is dropped there and the step's pages are written
-    through whole after its commit. Streaming off: whole, after the commit, from the start."""
+    through whole after its commit. Streaming off, or a pool of one connection: whole, after the
+    commit, from the start."""
     keys, payloads, _ = make_pages(layout, 2, seed=43)
     with _store(server.url, "auto", "stream-fail") as store:
         with store.open_session(keys, [layout] * 2, streamed=True) as session:
@@ -98,9 +99,10 @@ def test_a_stream_that_fails_leaves_its_pages_to_the_write_through_and_nothing_h
         store.memory.delete(keys)
         assert all(h is not None for h in store.get(keys, layout, outs))
         assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
-    with _store(server.url, "auto", "stream-off", stream_stores=False) as store:
-        with store.open_session(keys, [layout] * 2, streamed=True) as session:
-            assert not session.streaming
+    for off in ({"stream_stores": False}, {"max_connections": 1}):  # (a stream holds a connection a step long)
+        with _store(server.url, "auto", "stream-off", **off) as store:
+            with store.open_session(keys, [layout] * 2, streamed=True) as session:
+                assert not session.streaming
 
 
 def test_the_server_bounds_put_sessions_and_drops_them_with_their_connection(server, layout):

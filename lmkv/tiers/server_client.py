@@ -139,11 +139,12 @@ class ServerTier(RemoteTier):
                domain: str) -> ServerPutStream | None:
         """A put session for a step's pages, sent layer by layer from ``bufs`` (their memory slots)
         as they fill (:mod:`lmkv.tiers.server_puts`); None where it cannot be: ``remote.stream_stores``
-        off, the tier down, more pages than one request names, or :data:`STREAMS_OPEN` streaming."""
+        off, the tier down, more pages than one request names, or :data:`STREAMS_OPEN` (or half the
+        connection pool) streaming."""
         if not self.cfg.stream_stores or not keys or len(keys) > MAX_KEYS or not self.health.up:
             return None
-        with self._lock:
-            if self._streams_open >= STREAMS_OPEN:
+        with self._lock:  # (each holds a connection: at most half the pool, lookups and loads need the rest)
+            if self._streams_open >= min(STREAMS_OPEN, self.cfg.max_connections // 2):
                 return None
             self._streams_open += 1
         return ServerPutStream(self.name, keys, layouts, bufs, domain, self._conn,
