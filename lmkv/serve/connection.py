@@ -258,9 +258,7 @@ class Client:
         elif op is Op.PUT_END:
             self.put_end(req)
         elif op is Op.PUT_ABORT:
-            self._open_put(req.session).session.abort()
-            del self._puts[req.session]
-            self._arm_timeout()
+            self._close_put(req.session).session.abort()
             self.reply(Empty())
         elif op is Op.DELETE:
             _check_keys(req.keys)
@@ -517,6 +515,13 @@ class Client:
             raise Refused(f"no put session {number} on this connection")
         return put
 
+    def _close_put(self, number: int) -> OpenPut:
+        """The session, no longer open on this connection (ended or aborted by the caller)."""
+        put = self._open_put(number)
+        del self._puts[number]
+        self._arm_timeout()
+        return put
+
     def put_range(self, req, bulk: int) -> None:
         put = self._open_put(req.session)
         n = len(put.keys)
@@ -547,9 +552,7 @@ class Client:
         self.reply(Empty())
 
     def put_end(self, req) -> None:
-        put = self._open_put(req.session)
-        del self._puts[req.session]
-        self._arm_timeout()
+        put = self._close_put(req.session)
         with put.session:  # (refused: every page dropped)
             if len(req.headers) != len(put.keys):
                 raise Refused("PUT_END: one header (or none) per page")

@@ -45,6 +45,11 @@ class TierStats:
     quarantined: int = 0
     reclaimed: int = 0
 
+    def stored(self, nbytes: int) -> None:
+        """A page of ``nbytes`` went into the tier."""
+        self.puts += 1
+        self.put_bytes += nbytes
+
 
 class ResidencyListener(Protocol):
     """Told of every key a memory tier publishes or drops, under the tier's lock (so in order).

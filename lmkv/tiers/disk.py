@@ -369,8 +369,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             return False
         self._settle(size, account, resident=True)
         self._add(key, domain, size, account)
-        self.stats.puts += 1
-        self.stats.put_bytes += header.payload_len
+        self.stats.stored(header.payload_len)
         return True
 
     def _link_domain(self, key: PageKey, e: _Entry, domain: str) -> None:

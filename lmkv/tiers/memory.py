@@ -245,8 +245,7 @@ class MemoryTier(LocalTier):
         self.notes.gained()
         if self.listener is not None:
             self.listener.added(header.key)
-        self.stats.puts += 1
-        self.stats.put_bytes += header.payload_len
+        self.stats.stored(header.payload_len)
         return True
 
     def _drop(self, e: _Entry) -> None:

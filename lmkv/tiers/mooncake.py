@@ -55,7 +55,7 @@ from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
 from lmkv.tiers.mooncake_puts import PutStream
 from lmkv.tiers.quarantine import Quarantine, lendable
-from lmkv.tiers.remote import Checked, HeaderCache, RemoteTier, batches
+from lmkv.tiers.remote import STREAMS_OPEN, Checked, HeaderCache, RemoteTier, batches
 from lmkv.wire.shm_window import offsets_in
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,6 @@ SESSION_IDLE_S = 0.5
 SESSION_KEYS = 65536
 #: registered memory for the headers a step's put session writes last (~0.6 KiB a page of 64 units)
 STREAM_HEADER_BYTES = 1 << 20
-#: put sessions not finished yet beyond which a step's pages go whole after its commit instead (Mooncake
-#: slower than the engine stores: the write-through's own backlog rules then, not an unbounded queue)
-STREAMS_OPEN = 4
 
 
 @dataclass
@@ -119,7 +116,6 @@ class MooncakeTier(RemoteTier):
         self._calls = threads.pool(CALL_THREADS, "lmkv-mooncake")
         self._streamer = threads.pool(1, "lmkv-mooncake-stream")  # every put session's calls, in order
         self._stream_headers = np.zeros(STREAM_HEADER_BYTES, np.uint8)
-        self._streams_open = 0  # put sessions started and not finished or aborted yet (under _lock)
         self._lock = threading.Lock()
         self._store: Any = None  # the connected client (MooncakeDistributedStore)
         self._connecting: Future | None = None
@@ -147,14 +143,12 @@ class MooncakeTier(RemoteTier):
         if not self.mc.stream_stores or not keys or not self.health.up:
             return None
         with self._lock:
-            client, arena, busy = self._store, self._arena, self._streams_open >= STREAMS_OPEN
-        if client is None or arena is None or busy or max(header_bytes(lay) for lay in layouts) > STREAM_HEADER_BYTES:
+            client, arena = self._store, self._arena
+        if client is None or arena is None or max(header_bytes(lay) for lay in layouts) > STREAM_HEADER_BYTES:
             return None
         offsets = offsets_in(arena, bufs)
-        if any(o is None for o in offsets):
+        if any(o is None for o in offsets) or not self._stream_slot(STREAMS_OPEN):
             return None
-        with self._lock:
-            self._streams_open += 1
         base = arena.ctypes.data
 
         def call(fn: Callable[..., list[int]], *args) -> list[int]:
@@ -163,10 +157,6 @@ class MooncakeTier(RemoteTier):
         return PutStream(self.name, call, self._streamer.submit, self._stream_headers, keys,
                          [self._name(k) for k in keys], layouts,
                          [base + o for o in offsets], self._stream_closed, self.stats)  # type: ignore[operator]
-
-    def _stream_closed(self, _: Future) -> None:
-        with self._lock:
-            self._streams_open -= 1
 
     # -- the client ------------------------------------------------------------
 

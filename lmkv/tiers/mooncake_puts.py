@@ -160,8 +160,7 @@ class PutStream:
                 self._live[i] = rc == 0
                 self._started[i] = rc != 0
                 if rc == 0:
-                    self._stats.puts += 1
-                    self._stats.put_bytes += self._sizes[i]
+                    self._stats.stored(self._sizes[i])
         self._revoke()
         return {k for k, ok, there in zip(self.keys, self._live, self._present) if ok or there}
 

@@ -20,6 +20,7 @@ import time
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 #: a time if pages are larger: a reader (a P/D consumer) pulls a prompt's first pages while the
 #: rest are on their way, not all 250 MiB of an 8B model's 2k-token prompt at once
 PUBLISH_BYTES = 32 << 20
+#: step streams (put sessions) a tier runs at once, beyond which a step's pages go whole after its
+#: commit (:meth:`RemoteTier._stream_slot`)
+STREAMS_OPEN = 4
 
 
 def batches(sizes: Sequence[int], limit: int, most: int) -> list[range]:
@@ -211,6 +215,21 @@ class RemoteTier(Tier):
         on wait in ``quarantine`` (:mod:`lmkv.tiers.quarantine`). Without it, pages cross a buffer of
         the tier's own."""
 
+    def _stream_slot(self, limit: int) -> bool:
+        """Take one of ``limit`` places for a step stream (:meth:`Tier.stream`), or say there is none: a
+        tier slower than the engine stores then takes the step's pages whole after its commit (the
+        write-through's own backlog rules), not an unbounded queue of streams. The stream gives its
+        place back through :meth:`_stream_closed`."""
+        with self._streams_lock:
+            if self._streams_open >= limit:
+                return False
+            self._streams_open += 1
+            return True
+
+    def _stream_closed(self, _: Future) -> None:
+        with self._streams_lock:
+            self._streams_open -= 1
+
     def connect_soon(self) -> None:
         """Start connecting in the background, where a first connection takes long enough to make an
         engine's first lookups miss (Mooncake's client setup registers its buffers with the master:
@@ -219,6 +238,8 @@ class RemoteTier(Tier):
     def __init__(self, name: str, cfg: RemoteConfig) -> None:
         super().__init__(name)
         self.cfg = cfg
+        self._streams_open = 0  # step streams started and not ended yet (under _streams_lock)
+        self._streams_lock = threading.Lock()
         self.verifies = cfg.verify
         self.health = Health(f"{name} tier", self._ping)
         self._usage = (0, 0, 0)
@@ -348,8 +369,7 @@ class RemoteTier(Tier):
     def _count_puts(self, views: Sequence[tuple[PageHeader, memoryview]], ok: Sequence[bool]) -> None:
         for (h, _), stored in zip(views, ok):
             if stored:
-                self.stats.puts += 1
-                self.stats.put_bytes += h.payload_len
+                self.stats.stored(h.payload_len)
 
     def delete(self, keys: Sequence[PageKey]) -> int:
         return self._call(self._delete, keys) if keys else 0

@@ -75,8 +75,6 @@ log = logging.getLogger(__name__)
 ARENA_CHUNK_BYTES = 8 << 20
 #: chunk requests sent ahead of the one being answered (the server never waits for the next)
 ARENA_AHEAD = 3
-#: put sessions streaming at once (each holds a connection and a thread while its step computes)
-STREAMS_OPEN = 4
 
 
 def parse_url(url: str) -> tuple[str, int, bool]:
@@ -119,8 +117,7 @@ class ServerTier(RemoteTier):
         self._quarantine: Quarantine | None = None  # where slots lent to an abandoned request wait
         self._unix: UnixEndpoint | None = None  # learned from a TCP HELLO; forgotten when it fails
         self._verifier = threads.pool(1, f"lmkv-{name}-verify")
-        self._streamer = threads.pool(STREAMS_OPEN, f"lmkv-{name}-stream")
-        self._streams_open = 0  # (under _lock)
+        self._streamer = threads.pool(remote.STREAMS_OPEN, f"lmkv-{name}-stream")  # (a thread a stream)
         self._closing = threading.Event()
 
     @property
@@ -139,21 +136,16 @@ class ServerTier(RemoteTier):
                domain: str) -> ServerPutStream | None:
         """A put session for a step's pages, sent layer by layer from ``bufs`` (their memory slots)
         as they fill (:mod:`lmkv.tiers.server_puts`); None where it cannot be: ``remote.stream_stores``
-        off, the tier down, more pages than one request names, or :data:`STREAMS_OPEN` (or half the
-        connection pool) streaming."""
+        off, the tier down, more pages than one request names, or :data:`~lmkv.tiers.remote.STREAMS_OPEN`
+        (or half the connection pool) streaming."""
         if not self.cfg.stream_stores or not keys or len(keys) > MAX_KEYS or not self.health.up:
             return None
-        with self._lock:  # (each holds a connection: at most half the pool, lookups and loads need the rest)
-            if self._streams_open >= min(STREAMS_OPEN, self.cfg.max_connections // 2):
-                return None
-            self._streams_open += 1
+        # (each holds a connection a step long: at most half the pool, lookups and loads need the rest)
+        if not self._stream_slot(min(remote.STREAMS_OPEN, self.cfg.max_connections // 2)):
+            return None
         return ServerPutStream(self.name, keys, layouts, bufs, domain, self._conn,
                                lambda c: self._arena_offsets(c, bufs), self._layout_msg, self._call,
                                self.cfg.timeout, self._streamer.submit, self._stream_closed, self.stats)
-
-    def _stream_closed(self, _: Future) -> None:
-        with self._lock:
-            self._streams_open -= 1
 
     @contextmanager
     def _conn(self):

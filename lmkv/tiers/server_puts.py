@@ -167,6 +167,5 @@ class ServerPutStream:
             raise LMKVError(f"PUT_END answered for {len(stored)} pages of {len(self.keys)}")
         for lay, s in zip(self._layouts, stored):
             if s:
-                self._stats.puts += 1
-                self._stats.put_bytes += lay.payload_bytes
+                self._stats.stored(lay.payload_bytes)
         return {k for k, s in zip(self.keys, stored) if s}
