@@ -186,7 +186,7 @@ def _wait_populated(arena, timeout=10.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout
-    while arena._populator is not None and time.monotonic() < deadline:
+    while arena.prefault.running and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -196,7 +196,7 @@ def test_arena_is_mapped_ahead_of_use_without_touching_its_contents():
     a = HostArena(64 << 20, pin="never")
     assert _resident_fraction(a.buf) < 0.1  # fresh: nothing mapped yet
     a.buf[5 << 20 : (5 << 20) + 4096] = 7  # a slot written before and while the arena is populated
-    a.populate(32 << 20)
+    a.prefault.advance(32 << 20)
     a.buf[40 << 20 : (40 << 20) + 4096] = 9
     _wait_populated(a)
     assert _resident_fraction(a.buf[: 32 << 20]) == 1.0
@@ -228,6 +228,31 @@ def test_memory_tier_maps_ahead_of_the_slots_it_hands_out(layout):
     _, _, pages = make_pages(layout, 2)
     t.put(pages, "w0")
     _wait_populated(t._arena)
-    assert t._arena.populate_target >= POPULATE_AHEAD
+    assert t._arena.prefault.target >= POPULATE_AHEAD
     assert _resident_fraction(t._arena.buf[:POPULATE_AHEAD]) == 1.0
     assert _resident_fraction(t._arena.buf[POPULATE_AHEAD + (8 << 20):]) < 0.5  # not the whole arena
+
+
+def test_an_engines_store_maps_its_arena_whole_unless_told_not_to():
+    """``memory.prefault`` unset: an engine's store maps its whole arena from the start (a step's
+    pages land at once); a library's store maps ahead of use; an explicit setting wins."""
+    from lmkv.config import load_config
+    from lmkv.engine.stores import acquire_store, release_store
+    from lmkv.store import TieredStore
+
+    for given, whole in ((None, True), (False, False), (True, True)):
+        mem = {"capacity": "32MiB", "pin": "never", **({} if given is None else {"prefault": given})}
+        scope = f"test-prefault-{given}"
+        store = acquire_store(scope, load_config({"memory": mem}, environ={}))
+        try:
+            arena = store.memory.arena
+            assert arena.whole is whole
+            _wait_populated(arena)
+            assert _resident_fraction(arena.buf) == 1.0 if whole else _resident_fraction(arena.buf) < 0.5
+        finally:
+            release_store(scope)
+    library = TieredStore(load_config({"memory": {"capacity": "32MiB", "pin": "never"}}, environ={}))
+    try:
+        assert library.memory.arena.whole is False
+    finally:
+        library.close()

@@ -396,3 +396,55 @@ def test_a_layout_message_maps_to_one_layout_and_a_bad_one_is_refused_every_time
     for _ in range(2):  # (a refusal is not cached as an answer)
         with pytest.raises(ValueError, match="out of bounds"):
             _lay(0).layout()
+
+
+def _mapped_bytes(buf: np.ndarray) -> int:
+    """Bytes of ``buf``'s mapping that have page-table entries in this process (its VMA's Rss)."""
+    start = buf.ctypes.data
+    with open("/proc/self/smaps") as f:
+        lines = iter(f.read().splitlines())
+    for line in lines:
+        if "-" in line.split()[0] and int(line.split("-")[0], 16) == start:
+            for field in lines:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError("no mapping starts at the buffer")
+
+
+def test_a_clients_arena_is_mapped_once_for_all_its_connections_and_whole_when_the_client_maps_it_whole(layout):
+    """Every connection of a same-host client passes its arena; the server maps it once (a page
+    copied through a second mapping would fault again there), and maps that view whole in the
+    background when the client maps its arena whole (an engine's ``memory.prefault``)."""
+    from lmkv.tiers.arena import HostArena
+    from lmkv.tiers.base import TierStats
+    from lmkv.tiers.quarantine import Quarantine
+
+    srv = Server(load_config({"server": {"port": 0}, "memory": {"capacity": "64MiB"}}, environ={}))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for whole in (True, False):
+            size = 32 << 20
+            arena = HostArena(size, "never", prefault=whole, shared=True)
+            tier = _tier(f"lmkv://127.0.0.1:{srv.port}", max_connections=4)
+            tier.share_arena(arena, Quarantine(threading.Lock(), lambda *a: None, size, TierStats()))
+            with tier._conn() as a, tier._conn() as b, tier._conn() as c:
+                assert a is not b is not c and a.arena and b.arena and c.arena
+                assert len(srv.arenas) == 1
+                ((_, mapped),) = srv.arenas._maps.items()
+                assert mapped.users == 3 and len(mapped.buf) == size
+                deadline = time.monotonic() + 20
+                while whole and _mapped_bytes(mapped.buf) < size and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert _mapped_bytes(mapped.buf) == size if whole else _mapped_bytes(mapped.buf) < size // 2
+            keys, payloads, pages = make_pages(layout, 4)
+            assert tier.put(pages, "w") == [True] * 4
+            outs = [arena.buf[i * layout.payload_bytes : (i + 1) * layout.payload_bytes] for i in range(4)]
+            assert tier.get(keys, layout, outs) is not None
+            assert all((o == p).all() for o, p in zip(outs, payloads))
+            tier.close()
+            deadline = time.monotonic() + 10
+            while len(srv.arenas) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(srv.arenas) == 0  # the last connection's end unmapped it
+    finally:
+        srv.stop()

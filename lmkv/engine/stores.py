@@ -58,11 +58,20 @@ def _hook_exit() -> None:
         atexit.register(close_at_exit)
 
 
+def engine_config(cfg: LMKVConfig) -> LMKVConfig:
+    """``cfg`` with an engine's defaults where the user left a setting unset: the memory tier's
+    arena mapped whole from the start (``memory.prefault``: a step lands all its pages at once)."""
+    if cfg.memory.prefault is None:
+        return cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"prefault": True})})
+    return cfg
+
+
 def acquire_store(scope: str, cfg: LMKVConfig) -> TieredStore:
+    """The engine's store for ``scope``, opened with :func:`engine_config` the first time."""
     with _lock:
         entry = _stores.get(scope)
         if entry is None:
-            store = TieredStore(cfg)
+            store = TieredStore(engine_config(cfg))
             _stores[scope] = (store, 1)
             _hook_exit()
             return store

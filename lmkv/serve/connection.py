@@ -37,6 +37,7 @@ from lmkv.keys import KEY_BYTES, PageKey
 from lmkv.layout import GroupLayout, Segment, StateKind
 from lmkv.page import PageHeader, packed_as, rekey, units_in_ranges, unpack_header
 from lmkv.serve.admission import AuthFailures
+from lmkv.serve.arenas import ArenaId, Arenas
 from lmkv.serve.tenants import Counters, Tenant, Tenants
 from lmkv.store import StoreSession, TieredStore
 from lmkv.wire import shm_window
@@ -78,6 +79,7 @@ class Host(Protocol):
     auth_failures: AuthFailures
     shm_uids: set[int]
     unix_name: str | None
+    arenas: Arenas
 
     def admit(self, client: Client) -> None: ...
 
@@ -145,6 +147,7 @@ class Client:
         self.ns_tag = ""
         self.window: np.ndarray | None = None  # the connection's staging window
         self.arena: np.ndarray | None = None  # the client's memory-tier arena
+        self._arena_id: ArenaId | None = None  # (the server's mapping of it, shared by its connections)
         self._maps: list[mmap.mmap] = []
         #: held around every copy into or out of the client's shared memory; ``revoked`` under it
         self._copying = threading.Lock()
@@ -307,21 +310,23 @@ class Client:
             self.ns_tag = f"{tenant.tag}.{xxhash.xxh3_64_hexdigest(req.namespace.encode())[:12]}"
         self.tenant = tenant
         if self.unix_uid is not None:
-            self.window, self.arena = self.receive_windows(req.window, req.arena)
+            self.window, self.arena = self.receive_windows(req.window, req.arena, req.arena_whole)
         self.server.admit(self)
         unix = self.server.unix_name if self.local else None
         self.reply(HelloReply(PROTOCOL_VERSION, self.window is not None, int(cfg.max_bulk), self.arena is not None,
                               unix, os.getpid() if unix else None))
 
-    def receive_windows(self, window: bool, arena: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def receive_windows(self, window: bool, arena: bool,
+                        arena_whole: bool = False) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Map the sealed memfds a Unix-socket client passed after HELLO (its staging window, its
-        arena), if its uid may share memory; each one that fails the checks is closed unmapped and
-        its bytes go over the socket. Only descriptors are ever mapped, never a path."""
-        wanted = [w for w in (window, arena) if w]
-        if not wanted:
+        arena: mapped once for all its connections, :mod:`lmkv.serve.arenas`), if its uid may share
+        memory; each one that fails the checks is closed unmapped and its bytes go over the socket.
+        Only descriptors are ever mapped, never a path."""
+        arena_at = [is_arena for is_arena, passed in ((False, window), (True, arena)) if passed]
+        if not arena_at:
             return None, None
         try:
-            fds = shm_window.receive(self.sock, len(wanted))
+            fds = shm_window.receive(self.sock, len(arena_at))
         except ValueError as e:
             raise Fatal(str(e)) from None
         allowed = self.unix_uid in self.server.shm_uids
@@ -329,18 +334,22 @@ class Client:
             log.info("lmkv serve: %s: uid %s may not share memory (server.shm_uids); using the socket",
                      self.peer, self.unix_uid)
         mapped: list[np.ndarray | None] = []
-        for fd in fds:
+        for fd, is_arena in zip(fds, arena_at):
             if not allowed:
                 os.close(fd)
                 mapped.append(None)
                 continue
+            max_bytes = int(self.server.cfg.server.max_shm)
             try:
-                m, buf = shm_window.attach(fd, int(self.server.cfg.server.max_shm))
+                if is_arena:
+                    self._arena_id, buf = self.server.arenas.attach(fd, max_bytes, arena_whole)
+                else:
+                    m, buf = shm_window.attach(fd, max_bytes)
+                    self._maps.append(m)
             except (ValueError, OSError) as e:
                 log.info("lmkv serve: %s: not mapping a window it passed (%s)", self.peer, e)
                 mapped.append(None)
                 continue
-            self._maps.append(m)
             mapped.append(buf)
         it = iter(mapped)
         return (next(it) if window else None), (next(it) if arena else None)
@@ -578,6 +587,9 @@ class Client:
             put.session.abort()
         self._puts.clear()
         self.window = self.arena = None
+        if self._arena_id is not None:
+            self.server.arenas.release(self._arena_id)
+            self._arena_id = None
         for m in self._maps:
             try:
                 m.close()

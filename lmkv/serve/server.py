@@ -27,6 +27,7 @@ from lmkv.config import ConfigError, LMKVConfig
 from lmkv.errors import LMKVError
 from lmkv.metrics import serve_metrics
 from lmkv.serve.admission import AuthFailures, Counts
+from lmkv.serve.arenas import Arenas
 from lmkv.serve.connection import Client, Fatal
 from lmkv.serve.tenants import Counters, Tenant, Tenants
 from lmkv.store import TieredStore
@@ -96,6 +97,7 @@ class Server:
         self.unix: socket.socket | None = None
         self.unix_name: str | None = None
         self.shm_uids = set(sc.shm_uids if sc.shm_uids is not None else [os.geteuid()])
+        self.arenas = Arenas()
         if sc.shared_memory:
             self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.unix_name = f"\0lmkv-serve-{os.getpid()}-{secrets.token_hex(8)}"

@@ -8,31 +8,27 @@ exactly its size (torch's pinned allocator rounds a request up to a power of two
 a 40 GiB tier would lock 64 GiB) and mapped for the GPU, whose copy kernel then
 reads and writes its slots directly.
 
-A fresh mapping pays a page fault per 4 KiB on its first write (measured here:
-first writes into it at 1.7 GB/s, 10 GB/s once mapped), so the arena is
-populated in the background ahead of the allocator (``MADV_POPULATE_WRITE``,
-Linux >= 5.14), which maps pages without changing what is in them: it is safe
-while slots are being written.
+A fresh mapping pays a page fault per 4 KiB on its first write (:mod:`lmkv.prefault`:
+first writes at 1.1-1.7 GB/s, 8.5-10 GB/s once mapped), so the arena is mapped in
+the background: whole from the start (``memory.prefault``, an engine's default: a
+step's pages land at once, faster than mapping ahead of use keeps up), or ahead of
+the allocator.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
-import threading
 import weakref
 
 import numpy as np
 
-from lmkv import threads
+from lmkv.prefault import Prefault
 
 log = logging.getLogger(__name__)
 
-_MADV_POPULATE_WRITE = 23
 _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_MAPPED = 2
-_POPULATE_CHUNK = 8 << 20
 
 
 def cuda_available() -> bool:
@@ -67,7 +63,7 @@ def _page_unlock(cudart, address: int, mapping: mmap.mmap) -> None:
 class HostArena:
     """``capacity`` bytes as a flat ``numpy.uint8`` array; ``pinned`` says whether it is page-locked."""
 
-    def __init__(self, capacity: int, pin: str = "auto", prefault: bool = False, shared: bool = False) -> None:
+    def __init__(self, capacity: int, pin: str = "auto", prefault: bool | None = False, shared: bool = False) -> None:
         """``shared``: back the arena with a shared-memory window (:mod:`lmkv.wire.shm_window`) that an
         lmkv server on this host can map, so its pages are copied straight into arena slots.
         Page-locking wins over sharing: a pinned arena is never shared."""
@@ -95,42 +91,12 @@ class HostArena:
                 if why is not None:
                     log.warning("host arena: not page-locked (%s); GPU copies go through torch", why)
                 self.pinned = why is None
-        self._plock = threading.Lock()
-        self._populated = 0
-        self.populate_target = self.capacity if self.pinned else 0  # page-locked memory is mapped already
-        self._populator: threading.Thread | None = None
+        # (page-locked memory is mapped already)
+        self.prefault = Prefault(self.buf, "lmkv-arena-populate", capacity if self.pinned else 0)
+        self.whole = bool(prefault) or self.pinned  # mapped whole from the start, not just ahead of use
         if prefault:
-            self.populate(capacity)
+            self.prefault.advance(capacity)
         log.debug("host arena: %d bytes, pinned=%s", capacity, self.pinned)
-
-    def populate(self, upto: int) -> None:
-        """Map ``[0, upto)`` in the background, so writes there do not fault (a no-op once done)."""
-        upto = min(upto, self.capacity)
-        with self._plock:
-            if upto <= self.populate_target:
-                return
-            self.populate_target = upto
-            if self._populator is None:
-                self._populator = threads.start(self._populate, "lmkv-arena-populate")
-
-    def _populate(self) -> None:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        base = self.buf.ctypes.data
-        while True:
-            with self._plock:
-                start, end = self._populated, min(self.populate_target, self._populated + _POPULATE_CHUNK)
-                if start >= end:
-                    self._populator = None
-                    return
-            if madvise(base + start, end - start, _MADV_POPULATE_WRITE) != 0:  # an older kernel: fault on use
-                log.debug("host arena: MADV_POPULATE_WRITE failed (errno %d)", ctypes.get_errno())
-                with self._plock:
-                    self._populated = self.populate_target = self.capacity
-                    self._populator = None
-                return
-            with self._plock:
-                self._populated = end
 
     def device_visible(self, address: int, nbytes: int) -> bool:
         """Whether ``nbytes`` at ``address`` lie in this arena and it is pinned: a GPU copy kernel can

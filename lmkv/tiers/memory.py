@@ -185,8 +185,8 @@ class MemoryTier(LocalTier):
                 if off is not None:
                     self._used += nbytes
                     accounts.charge(account, nbytes)
-                    if off + nbytes + POPULATE_AHEAD > self._arena.populate_target:
-                        self._arena.populate(off + nbytes + POPULATE_AHEAD)
+                    if off + nbytes + POPULATE_AHEAD > self._arena.prefault.target:
+                        self._arena.prefault.advance(off + nbytes + POPULATE_AHEAD)
                     return off
                 taken = self._take_victim(nbytes, account, own)
                 if taken is None:

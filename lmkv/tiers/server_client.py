@@ -114,6 +114,7 @@ class ServerTier(RemoteTier):
             self._slots.put(None)
         self._layouts: dict[int, LayoutMsg] = {}
         self._arena: shm_window.Window | None = None
+        self._arena_whole = False  # the arena is mapped whole: the server maps its view whole too
         self._quarantine: Quarantine | None = None  # where slots lent to an abandoned request wait
         self._unix: UnixEndpoint | None = None  # learned from a TCP HELLO; forgotten when it fails
         self._verifier = threads.pool(1, f"lmkv-{name}-verify")
@@ -130,6 +131,7 @@ class ServerTier(RemoteTier):
         ``quarantine`` until the server is done with them."""
         if arena.window is not None:
             self._arena = arena.window
+            self._arena_whole = arena.whole
             self._quarantine = quarantine
 
     def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence,
@@ -253,7 +255,8 @@ class ServerTier(RemoteTier):
             raise TierUnavailableError(f"{self.name} {self.host}:{self.port} refused the connection: {err}") from err
 
     def _open(self, unix: UnixEndpoint | None) -> Connection:
-        return Connection(self.cfg, self.host, self.port, self.tls, self.namespace, self._arena, unix)
+        return Connection(self.cfg, self.host, self.port, self.tls, self.namespace, self._arena, unix,
+                          self._arena_whole)
 
     def _layout_msg(self, layout: GroupLayout) -> LayoutMsg:
         msg = self._layouts.get(layout.fingerprint)

@@ -54,8 +54,10 @@ class Connection:
     """
 
     def __init__(self, cfg: RemoteConfig, host: str, port: int, tls: bool, namespace: str,
-                 arena: shm_window.Window | None = None, unix: UnixEndpoint | None = None) -> None:
-        """Over TCP to ``host:port``, or over ``unix`` (then with shared memory)."""
+                 arena: shm_window.Window | None = None, unix: UnixEndpoint | None = None,
+                 arena_whole: bool = False) -> None:
+        """Over TCP to ``host:port``, or over ``unix`` (then with shared memory). ``arena_whole``: the
+        arena is mapped whole in this process (the server then maps its view of it whole too)."""
         self.window: np.ndarray | None = None  # this connection's staging window
         self.arena = False  # whether the server mapped the shared arena
         self.unix: UnixEndpoint | None = None  # where the server takes same-host connections
@@ -78,7 +80,7 @@ class Connection:
                 if arena is not None:
                     shared.append(arena)
             hello = Hello(PROTOCOL_VERSION, namespace, cfg.token, window=self._win is not None,
-                          arena=unix is not None and arena is not None)
+                          arena=unix is not None and arena is not None, arena_whole=arena_whole)
             self.send(Op.HELLO, hello)
             shm_window.send(sock, shared)
             rep, bulk = self.reply(HelloReply)

@@ -133,13 +133,16 @@ def _layout(m: LayoutMsg) -> GroupLayout:
 class Hello(msgspec.Struct):
     """The first request on a connection. Over a Unix domain socket, ``window`` and ``arena`` say
     that the client's sealed memfds follow the frame (:func:`lmkv.wire.shm_window.send`): a staging
-    window for this connection, then its memory tier's arena. Over TCP they are ignored."""
+    window for this connection, then its memory tier's arena. Over TCP they are ignored.
+    ``arena_whole``: the client maps its arena whole (``memory.prefault``), so the server maps its
+    own view of it whole as well, in the background, and its copies there do not fault."""
 
     version: int
     namespace: str
     token: str | None = None
     window: bool = False
     arena: bool = False
+    arena_whole: bool = False
 
 
 class HelloReply(msgspec.Struct):

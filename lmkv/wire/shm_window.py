@@ -65,23 +65,32 @@ def create(size: int, label: str = "lmkv-window") -> Window:
     return Window(fd, m, np.frombuffer(m, np.uint8))
 
 
-def attach(fd: int, max_bytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Map a window a client passed; the descriptor is closed either way.
+def check(fd: int, max_bytes: int) -> int:
+    """The size of the window behind ``fd`` once it passed the checks (the descriptor stays open).
 
     Raises:
         ValueError: not a memfd sealed against resizing, or empty, or larger than ``max_bytes``.
     """
     try:
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:  # (EINVAL for anything that is not a memfd)
-            raise ValueError("not a memfd") from None
-        if seals & SEALS != SEALS:
-            raise ValueError("a window must be sealed against shrinking, growing and unsealing")
-        size = os.fstat(fd).st_size
-        if not 0 < size <= max_bytes:
-            raise ValueError(f"a window of {size} bytes (at most {max_bytes})")
-        m = mmap.mmap(fd, size)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # (EINVAL for anything that is not a memfd)
+        raise ValueError("not a memfd") from None
+    if seals & SEALS != SEALS:
+        raise ValueError("a window must be sealed against shrinking, growing and unsealing")
+    size = os.fstat(fd).st_size
+    if not 0 < size <= max_bytes:
+        raise ValueError(f"a window of {size} bytes (at most {max_bytes})")
+    return size
+
+
+def attach(fd: int, max_bytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Map a window a client passed, after :func:`check`; the descriptor is closed either way.
+
+    Raises:
+        ValueError: as :func:`check`.
+    """
+    try:
+        m = mmap.mmap(fd, check(fd, max_bytes))
     finally:
         os.close(fd)
     return m, np.frombuffer(m, np.uint8)
