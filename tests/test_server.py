@@ -448,3 +448,26 @@ def test_a_clients_arena_is_mapped_once_for_all_its_connections_and_whole_when_t
             assert len(srv.arenas) == 0  # the last connection's end unmapped it
     finally:
         srv.stop()
+
+
+def test_a_store_connects_to_a_same_host_server_as_it_opens():
+    """The first connection opens in the background when the store does, so an engine's first load
+    finds it, and the server's view of the arena is mapped by then; a server that is down costs
+    the store nothing at open."""
+    srv = Server(load_config({"server": {"port": 0}, "memory": {"capacity": "64MiB"}}, environ={}))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        store = TieredStore(load_config({"memory": {"capacity": "16MiB", "pin": "never"},
+                                         "remote": {"url": f"lmkv://127.0.0.1:{srv.port}"}}, environ={}))
+        deadline = time.monotonic() + 10
+        while not len(srv.arenas) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(srv.arenas) == 1  # (nothing was asked of the tier)
+        store.close()
+    finally:
+        srv.stop()
+    t0 = time.monotonic()
+    down = TieredStore(load_config({"remote": {"url": f"lmkv://127.0.0.1:{free_port()}"},
+                                    "memory": {"capacity": "16MiB", "pin": "never"}}, environ={}))
+    assert time.monotonic() - t0 < 1.0
+    down.close()

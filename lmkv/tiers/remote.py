@@ -231,9 +231,10 @@ class RemoteTier(Tier):
             self._streams_open -= 1
 
     def connect_soon(self) -> None:
-        """Start connecting in the background, where a first connection takes long enough to make an
-        engine's first lookups miss (Mooncake's client setup registers its buffers with the master:
-        a lookup waiting on it looks like a stalled network). The others connect on first use."""
+        """Start connecting in the background, so that an engine's first lookups and loads do not wait
+        for it (Mooncake's client setup registers its buffers with the master: a lookup waiting on it
+        looks like a stalled network; a same-host lmkv server maps the arena). Redis connects on
+        first use."""
 
     def __init__(self, name: str, cfg: RemoteConfig) -> None:
         super().__init__(name)

@@ -36,7 +36,7 @@ import numpy as np
 
 from lmkv import threads
 from lmkv.config import ConfigError, RemoteConfig
-from lmkv.errors import PageError, TierBusyError, TierUnavailableError
+from lmkv.errors import LMKVError, PageError, TierBusyError, TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import Chunk, PageHeader, as_bytes_view, landing_chunks, units_in_ranges, unpack_header, verify_units
@@ -133,6 +133,24 @@ class ServerTier(RemoteTier):
             self._arena = arena.window
             self._arena_whole = arena.whole
             self._quarantine = quarantine
+
+    def connect_soon(self) -> None:
+        """Open the first connection in the background: the engine's first load then finds one, and
+        a same-host server has mapped the arena by then (whole, where this process maps it whole:
+        :mod:`lmkv.serve.arenas`). A server that is down is connected to on first use, as ever."""
+        threads.start(self._connect_now, f"lmkv-{self.name}-connect")
+
+    def _connect_now(self) -> None:
+        try:
+            with self._conn():
+                pass
+        except LMKVError as err:
+            log.debug("lmkv: %s: not connected yet (%s)", self.name, err)
+        if self._closing.is_set():  # (closed meanwhile: the connection just pooled goes too)
+            with self._lock:
+                idle, self._idle = self._idle, []
+            for c in idle:
+                c.close()
 
     def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence,
                domain: str) -> ServerPutStream | None:
