@@ -62,9 +62,10 @@ class Serve(Client):
     """One ``vllm serve`` process (and its engine process) in a session of its own, stopped as a group."""
 
     def __init__(self, model: str, lmkv: dict, log: Path, role: str = "kv_both", block: int = 32,
-                 max_model_len: int = 2048, kv_bytes: int = 64 << 20, max_tokens: int = 8) -> None:
+                 max_model_len: int = 2048, kv_bytes: int = 64 << 20, max_tokens: int = 8, nice: int = 0) -> None:
         """``lmkv``: the connector's settings; ``role``: vLLM's ``kv_role``; ``kv_bytes``: the KV
-        budget; ``max_tokens``: what :meth:`complete` asks for."""
+        budget; ``max_tokens``: what :meth:`complete` asks for; ``nice``: the scheduling priority
+        every process and thread of the engine runs at (``nice(1)``'s increment)."""
         self.port = free_port()
         super().__init__(f"http://127.0.0.1:{self.port}", model, max_tokens)
         cfg = {"kv_connector": "LMKVConnector", "kv_role": role, "kv_load_failure_policy": "recompute",
@@ -73,7 +74,8 @@ class Serve(Client):
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as a user runs it: the engine in its own process
         self.log = log
         self.proc = subprocess.Popen(
-            [str(VLLM), "serve", model, "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(block),
+            [*(["nice", "-n", str(nice)] if nice else []), str(VLLM), "serve", model, "--host", "127.0.0.1",
+             "--port", str(self.port), "--block-size", str(block),
              "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
              "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0",
              "--kv-transfer-config", json.dumps(cfg)],
