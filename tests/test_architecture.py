@@ -116,8 +116,8 @@ def test_no_module_imports_one_that_imports_it_back():
 FLOORS = {
     # the vocabulary every wing speaks
     "lmkv.errors": 0, "lmkv.keys": 0, "lmkv.layout": 0, "lmkv.page": 0, "lmkv.domains": 0, "lmkv.config": 0,
-    # how every wing starts its threads
-    "lmkv.threads": 0,
+    # how every wing starts its threads and maps memory ahead of its first writes
+    "lmkv.threads": 0, "lmkv.prefault": 0,
     # the server's wire, which both its ends speak; page digests on a GPU (the disk tier's GDS path uses them)
     "lmkv.wire": 1, "lmkv.kernels.digests": 1,
     # where pages live; the prefix rule over anything that holds pages
