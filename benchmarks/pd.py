@@ -72,6 +72,11 @@ WAIT = 2.0  # pd.wait for the run (a hand-off that needs it all is a figure wort
 ANSWER = 100  # turn 1's answer, tokens (three blocks and more of decoded KV)
 #: P's priority on the cores it shares with D here (see the module doc): its spin yields to D
 PRODUCER_NICE = 19
+#: Mooncake's master evicts from this share of its memory on (default 0.9), and a put that finds no
+#: room fails: a quarter of the 2 GiB store stays free for P's steps (a 2,048-token step of 4 MiB
+#: pages is 256 MiB; with the default, from the sixth 4 MiB-page prompt on P's puts failed for
+#: lack of space and D loaded 24-37 of 84-124 blocks). docs/guides/mooncake.md says how to size it.
+MOONCAKE_HIGH_WATERMARK = 0.75
 
 
 @dataclass
@@ -110,7 +115,8 @@ def _tier(name: str, memory: str) -> Iterator[Tier]:
     if name == "mooncake":  # (the master is what a stall stops: every lookup and read asks it first)
         from lmkv.dev.mooncake_master import start_master, start_storage
 
-        with start_master() as m, start_storage(m, int(memory.removesuffix("GiB")) << 30):
+        with start_master(flags=[f"--eviction_high_watermark_ratio={MOONCAKE_HIGH_WATERMARK}"]) as m, \
+                start_storage(m, int(memory.removesuffix("GiB")) << 30):
             yield Tier({"url": m.url, "mooncake": {"segment_size": 0}}, m.proc.pid)
         return
     with spawn("--memory", memory) as s:
