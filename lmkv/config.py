@@ -222,9 +222,9 @@ class RemoteConfig(_Section):
     )
     shm_size: ByteSize = Field(ByteSize(64 << 20), description="shared-memory window per connection")
     stream_stores: bool = Field(
-        True, description="lmkv server: a step's pages go to the server layer by layer as the forward computes "
-        "them, in one put session made readable when the step commits (off: written through whole after the "
-        "commit)")
+        True, description="lmkv server and Redis: a step's pages go to the tier layer by layer as the forward "
+        "computes them, in one put session (Redis: staging keys) made readable when the step commits (off: "
+        "written through whole after the commit)")
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
 
     @field_validator("url")

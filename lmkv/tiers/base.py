@@ -76,7 +76,7 @@ def covered(ranges: Iterable[tuple[int, int]], size: int) -> bool:
 class StepStream(Protocol):
     """A step's pages going down to a tier while the step computes them, made readable there when it
     commits (:meth:`Tier.stream`; Mooncake's put sessions, :mod:`lmkv.tiers.mooncake_puts`; the lmkv
-    server's, :mod:`lmkv.tiers.server_puts`)."""
+    server's and Redis's, :mod:`lmkv.tiers.put_stream`)."""
 
     def filled(self, indices: Sequence[int], start: int, end: int,
                ready: Callable[[], object] | None = None) -> None:

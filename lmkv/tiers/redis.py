@@ -58,7 +58,9 @@ from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, unpack_header
 from lmkv.tiers import remote
 from lmkv.tiers.base import Range
+from lmkv.tiers.put_stream import StepPutStream
 from lmkv.tiers.redis_nodes import ClusterNodes
+from lmkv.tiers.redis_puts import RedisPutTarget, redis_session, staging_ttl_ms
 from lmkv.tiers.remote import HeaderCache, RemoteTier, batches
 
 #: packed headers kept client-side (about 200 bytes each for an 8-layer page)
@@ -168,6 +170,7 @@ class RedisTier(RemoteTier):
         self._reader_made: Any = None  # redis.Redis or redis.cluster.RedisCluster, made by _reader()
         self._reader_lock = threading.Lock()
         self.nodes = ClusterNodes(name, self._reader) if self.cluster else None
+        self._streamer = threads.pool(remote.STREAMS_OPEN, f"lmkv-{name}-stream")  # (a thread a stream)
         if not self.cluster:
             self._reader()
 
@@ -184,6 +187,18 @@ class RedisTier(RemoteTier):
                 except _UNREACHABLE as err:
                     raise self._unreachable(err) from err
             return self._reader_made
+
+    def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence,
+               domain: str) -> StepPutStream | None:
+        """A step's pages staged in Redis layer by layer from ``bufs`` (their memory slots) as they fill,
+        renamed into place when it commits (:mod:`lmkv.tiers.redis_puts`); None where it cannot be:
+        ``remote.stream_stores`` off, the tier down, or :data:`~lmkv.tiers.remote.STREAMS_OPEN` streaming."""
+        if not self.cfg.stream_stores or not keys or not self.health.up or not self._stream_slot(remote.STREAMS_OPEN):
+            return None
+        target = RedisPutTarget(keys, bufs, self._names, self._per_node, self._px, staging_ttl_ms(self.cfg.timeout),
+                                self._headers, self._refused)
+        return StepPutStream(self.name, keys, layouts, bufs, redis_session(target), self._call, self.cfg.timeout,
+                             self._streamer.submit, self._stream_closed, self.stats)
 
     # -- running coroutines from the store's threads ------------------------------
 
@@ -458,6 +473,7 @@ class RedisTier(RemoteTier):
 
     def close(self) -> None:
         super().close()
+        self._streamer.shutdown(wait=False)  # (a stream still waiting for its step gives up on its own)
         if self.nodes is not None:
             self.nodes.close()
         for client in [self._client, *self._node_clients.values()]:

@@ -43,10 +43,11 @@ from lmkv.page import Chunk, PageHeader, as_bytes_view, landing_chunks, units_in
 from lmkv.tiers import remote
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
+from lmkv.tiers.put_stream import StepPutStream
 from lmkv.tiers.quarantine import Quarantine, lendable
 from lmkv.tiers.remote import Checked, RemoteTier, batches
 from lmkv.tiers.server_connection import Connection, UnixEndpoint
-from lmkv.tiers.server_puts import ServerPutStream
+from lmkv.tiers.server_puts import server_session
 from lmkv.wire import shm_window
 from lmkv.wire.protocol import (
     MAX_KEYS,
@@ -153,7 +154,7 @@ class ServerTier(RemoteTier):
                 c.close()
 
     def stream(self, keys: Sequence[PageKey], layouts: Sequence[GroupLayout], bufs: Sequence,
-               domain: str) -> ServerPutStream | None:
+               domain: str) -> StepPutStream | None:
         """A put session for a step's pages, sent layer by layer from ``bufs`` (their memory slots)
         as they fill (:mod:`lmkv.tiers.server_puts`); None where it cannot be: ``remote.stream_stores``
         off, the tier down, more pages than one request names, or :data:`~lmkv.tiers.remote.STREAMS_OPEN`
@@ -163,9 +164,10 @@ class ServerTier(RemoteTier):
         # (each holds a connection a step long: at most half the pool, lookups and loads need the rest)
         if not self._stream_slot(min(remote.STREAMS_OPEN, self.cfg.max_connections // 2)):
             return None
-        return ServerPutStream(self.name, keys, layouts, bufs, domain, self._conn,
-                               lambda c: self._arena_offsets(c, bufs), self._layout_msg, self._call,
-                               self.cfg.timeout, self._streamer.submit, self._stream_closed, self.stats)
+        opener = server_session(keys, layouts, bufs, domain, self._conn, lambda c: self._arena_offsets(c, bufs),
+                                self._layout_msg)
+        return StepPutStream(self.name, keys, layouts, bufs, opener, self._call, self.cfg.timeout,
+                             self._streamer.submit, self._stream_closed, self.stats)
 
     @contextmanager
     def _conn(self):
