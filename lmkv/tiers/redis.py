@@ -61,6 +61,7 @@ from lmkv.tiers.base import Range
 from lmkv.tiers.put_stream import StepPutStream
 from lmkv.tiers.redis_nodes import ClusterNodes
 from lmkv.tiers.redis_puts import RedisPutTarget, redis_session, staging_ttl_ms
+from lmkv.tiers.redis_reads import read_pipelined
 from lmkv.tiers.remote import HeaderCache, RemoteTier, batches
 
 #: packed headers kept client-side (about 200 bytes each for an 8-layer page)
@@ -79,9 +80,9 @@ def _tls_kwargs(cfg: RemoteConfig) -> dict:
 
 
 def _no_retry():
-    """Cluster commands are not retried by redis-py: each retry of a node that hangs costs a
-    timeout, while lmkv's health per node turns that node's pages into misses at the first
-    failure and finds the replica that took its slots in the background."""
+    """Blocking commands are not retried by redis-py: each retry of a node that hangs costs a
+    timeout, while lmkv's health (per node on a cluster) turns its pages into misses at the first
+    failure and finds it again (or the replica that took its slots) in the background."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
@@ -134,8 +135,11 @@ def make_client(cfg: RemoteConfig, asyncio_client: bool = True):
         return scluster.RedisCluster(startup_nodes=[scluster.ClusterNode(h, p) for h, p in nodes],
                                      require_full_coverage=False, retry=_no_retry(), **kwargs)
     tls = _tls_kwargs(cfg) if urlsplit(cfg.url or "").scheme == "rediss" else {}
-    cls = aredis.Redis if asyncio_client else redis.Redis
-    return cls.from_url(cfg.url or "", **tls, **_common_kwargs(cfg))
+    if asyncio_client:  # (each call runs under its own deadline: asyncio.wait_for)
+        return aredis.Redis.from_url(cfg.url or "", **tls, **_common_kwargs(cfg))
+    # (redis-py's default retries a connect up to 3 times with backoff: a server that accepts and never
+    # answers would hold a read for several timeouts, where lmkv's health makes it a miss at the first)
+    return redis.Redis.from_url(cfg.url or "", retry=_no_retry(), **tls, **_common_kwargs(cfg))
 
 
 def node_client(node: str, kwargs: dict[str, Any]) -> aredis.Redis:
@@ -314,71 +318,74 @@ class RedisTier(RemoteTier):
 
     def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               ranges: Sequence[Range] | None) -> list:
-        """Whole pages one at a time (a 2 MiB value per reply measured fastest); ranges of many
-        pages (a layer of each) in one pipeline: one round trip per node for all of them."""
+        """Every page's ranges (or whole payload) pipelined, each reply received straight into its
+        page's buffer (:mod:`lmkv.tiers.redis_reads`); on a cluster, each node's pages on its own
+        connection, a node that fails costing only its pages."""
         reader = self._reader()
-
-        def read(idx: Sequence[int]) -> list:
-            if ranges is None:
-                return [self._read_pages(reader, [keys[i]], layout, [outs[i]], None)[0] for i in idx]
-            return self._read_pages(reader, [keys[i] for i in idx], layout, [outs[i] for i in idx], ranges)
-
         if self.nodes is None:
             try:
-                return read(range(len(keys)))
+                return self._read_pages(reader.connection_pool, keys, layout, outs, ranges)
             except _UNREACHABLE as err:
                 raise self._unreachable(err) from err
         got: list = [None] * len(keys)  # a page on a down node is a miss; the others are read
         for node, idx in self.nodes.group([self._names(k)[0] for k in keys]).items():
             try:
-                for i, r in zip(idx, read(idx)):
+                pool = reader.get_redis_connection(reader.get_node(node_name=node)).connection_pool
+                for i, r in zip(idx, self._read_pages(pool, [keys[i] for i in idx], layout, [outs[i] for i in idx],
+                                                      ranges)):
                     got[i] = r
             except _UNREACHABLE as err:  # this node's pages are misses
                 self.stats.errors += 1
                 self.nodes.failed(node, err)
         return got
 
-    def _read_pages(self, reader, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
+    def _read_pages(self, pool, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
                     ranges: Sequence[Range] | None) -> list:
-        """Pages (or their ``ranges``) in one round trip: a single command where it can (one page
-        whose header is cached, one range), else one pipeline with the headers not cached yet."""
+        """Pages (or their ``ranges``) in pipelines of at most :data:`~lmkv.tiers.remote.PUBLISH_BYTES`
+        (what Redis buffers for a reply), with the headers not cached yet."""
         want = [(0, layout.payload_bytes)] if ranges is None else list(ranges)
         headers: list = self._headers.get(keys)
         names = [self._names(k) for k in keys]
-        if len(keys) == 1 and headers[0] is not None and len(want) == 1:
-            p = names[0][1]
-            parts = [[reader.get(p) if ranges is None else reader.getrange(p, want[0][0], want[0][1] - 1)]]
-        else:
-            pipe = reader.pipeline(transaction=False)
-            for (h, p), header in zip(names, headers):
-                if header is None:
-                    pipe.get(h)
+        per_page = sum(b - a for a, b in want)
+        out: list = []
+        for r in batches([per_page] * len(keys), remote.PUBLISH_BYTES, len(keys)):
+            commands: list[tuple] = []
+            sinks: list = []
+            for j in r:
+                (h, p), dst = names[j], as_bytes_view(outs[j])
+                if headers[j] is None:
+                    commands.append(("GET", h))
+                    sinks.append(None)
                 for a, b in want:
-                    pipe.getrange(p, a, b - 1) if ranges is not None else pipe.get(p)
-            replies = iter(pipe.execute())
-            parts = []
-            for j, header in enumerate(headers):
-                if header is None:
-                    headers[j] = next(replies)
-                parts.append([next(replies) for _ in want])
-        return [self._landed(reader, k, n, layout, o, want, h, got)
-                for k, n, o, h, got in zip(keys, names, outs, headers, parts)]
+                    commands.append(("GET", p) if ranges is None else ("GETRANGE", p, a, b - 1))
+                    sinks.append(dst[a:b])
+            replies = iter(read_pipelined(pool, commands, sinks))
+            for j in r:
+                header = next(replies) if headers[j] is None else headers[j]
+                parts = [next(replies) for _ in want]
+                out.append(self._landed(keys[j], names[j], layout, want, header, parts))
+        return out
 
-    def _landed(self, reader, key: PageKey, names: tuple[bytes, bytes], layout: GroupLayout, out,
-                want: list[Range], header, parts: list):
-        """One page's replies into ``out``; its header (parsed), or what the caller's check rejects."""
+    def _landed(self, key: PageKey, names: tuple[bytes, bytes], layout: GroupLayout, want: list[Range],
+                header, parts: list):
+        """One page's replies (its payload's already in its buffer): its header (parsed), a miss, or
+        what the caller's check rejects."""
+        for reply in (header, *parts):
+            if isinstance(reply, rexc.ResponseError):  # (a slot that moved: the map is read again meanwhile)
+                if str(reply).startswith(("MOVED", "ASK")) and self.nodes is not None:
+                    self.nodes.refresh(0)
+                else:
+                    self.stats.errors += 1
+                return None
         if header is None:
             return None
         if not parts[0]:  # gone, or Redis evicted the payload but not the header
             self._headers.forget([key])
-            reader.delete(*names)
+            self._reader().delete(*names)
             return None
-        dst = as_bytes_view(out)
-        for (a, b), part in zip(want, parts):
-            if len(part) != b - a:
-                self._headers.forget([key])
-                return b""  # a short page: the header check rejects it
-            dst[a:b] = part
+        if any(n != b - a for (a, b), n in zip(want, parts)):
+            self._headers.forget([key])
+            return b""  # a short page: the header check rejects it
         if not isinstance(header, PageHeader):
             try:
                 header = unpack_header(header, expect_key=key, layout=layout)

@@ -1,0 +1,55 @@
+"""Redis replies read straight into buffers, against a real redis-server, in RESP2 and RESP3."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import redis
+from redis import exceptions as rexc
+
+from lmkv.config import RemoteConfig
+from lmkv.tiers.redis import make_client
+from lmkv.tiers.redis_reads import read_pipelined
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_replies_land_in_their_buffers_and_the_connection_stays_in_step(redis_node, protocol):
+    """Large values go into their buffers, small ones come back as bytes; nil, an empty range, a
+    value of the wrong length (its buffer untouched) and an error each come back as such, and the
+    connection answers the next commands in step."""
+    client = redis.Redis.from_url(redis_node.url, protocol=protocol)
+    tag = f"rr{protocol}-{time.monotonic_ns()}"
+    big, small = os.urandom(4 << 20), os.urandom(100)
+    client.set(f"{tag}:big", big)
+    client.set(f"{tag}:small", small)
+    client.hset(f"{tag}:hash", "f", "v")
+    whole, part, wrong = bytearray(len(big)), bytearray(1 << 20), bytearray(10)
+    commands = [("GET", f"{tag}:small"), ("GET", f"{tag}:big"), ("GETRANGE", f"{tag}:big", 1 << 20, (2 << 20) - 1),
+                ("GET", f"{tag}:missing"), ("GETRANGE", f"{tag}:missing", 0, 9), ("GETRANGE", f"{tag}:small", 0, 19),
+                ("GET", f"{tag}:hash"), ("GET", f"{tag}:small")]
+    sinks = [None, memoryview(whole), memoryview(part), memoryview(bytearray(8)), memoryview(bytearray(10)),
+             memoryview(wrong), memoryview(bytearray(8)), None]
+    for _ in range(2):  # (the same pooled connection again: nothing of the last replies left over)
+        got = read_pipelined(client.connection_pool, commands, sinks)
+        assert got[0] == small and got[1] == len(big) and got[2] == 1 << 20
+        assert bytes(whole) == big and bytes(part) == big[1 << 20 : 2 << 20]
+        assert got[3] is None and got[4] == 0
+        assert got[5] == 20 and bytes(wrong) == bytes(10)  # (20 bytes for a 10-byte buffer: skipped)
+        assert isinstance(got[6], rexc.ResponseError) and "WRONGTYPE" in str(got[6])
+        assert got[7] == small
+    assert client.get(f"{tag}:small") == small
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_server_that_does_not_answer_is_a_timeout_and_its_connection_is_dropped(silent_listener, protocol):
+    """What the tier takes for an unreachable node, within its timeout: the tier's own client does
+    not retry (RESP3: the handshake on connecting never gets an answer; RESP2: the GET)."""
+    client = make_client(RemoteConfig(url=f"redis://127.0.0.1:{silent_listener}?protocol={protocol}", timeout=0.3,
+                                      connect_timeout=0.3), asyncio_client=False)
+    t0 = time.monotonic()
+    with pytest.raises(rexc.TimeoutError):
+        read_pipelined(client.connection_pool, [("GET", "k")], [memoryview(bytearray(8))])
+    assert time.monotonic() - t0 < 0.3 + 0.5
+    assert all(c._sock is None for c in client.connection_pool._available_connections)
