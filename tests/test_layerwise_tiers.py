@@ -72,6 +72,8 @@ class Recorder:
 
     def __init__(self, tier, hold=None, lose=None) -> None:
         self.calls: list[tuple[str, int, list]] = []
+        self.in_flight = self.most_in_flight = 0  # layer requests at once
+        self._lock = threading.Lock()
         self._ranges, self._get = tier.get_ranges, tier.get
         self.hold = hold  # (layer) -> called before the read, may block or raise
         self.lose = lose  # (layer, key) -> whether that page's range comes back missing
@@ -80,9 +82,16 @@ class Recorder:
     def get_ranges(self, keys, layout, ranges, outs):
         layer = ranges[0][0] // layout.layer_stride
         self.calls.append(("ranges", len(keys), list(ranges)))
-        if self.hold is not None:
-            self.hold(layer)
-        got = self._ranges(keys, layout, ranges, outs)
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.hold is not None:
+                self.hold(layer)
+            got = self._ranges(keys, layout, ranges, outs)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
         return [None if self.lose and self.lose(layer, k) else h for k, h in zip(keys, got)]
 
     def get(self, keys, layout, outs):
@@ -100,7 +109,8 @@ def _load(store, empty, plan_op):
 def test_a_load_from_a_lower_tier_arrives_layer_by_layer_one_request_per_layer(below):
     full = _filled(below)
     with TieredStore(load_config(below, environ={})) as store:  # memory empty: every page is below
-        rec = Recorder(store.tiers[1])
+        later = threading.Event()  # (layer 0's request waits a while for any other to start)
+        rec = Recorder(store.tiers[1], hold=lambda layer: later.wait(0.3) if layer == 0 else later.set())
         empty = [torch.zeros_like(t) for t in full]
         w = _load(store, empty, PageOp("r", 0, CHAINS, BLOCK_IDS, list(range(4))))
         for i, name in enumerate(NAMES):
@@ -117,6 +127,9 @@ def test_a_load_from_a_lower_tier_arrives_layer_by_layer_one_request_per_layer(b
         keys = [page_key(c, LAYOUT) for c in CHAINS]
         assert store.memory.contains(keys) == [True] * 4  # whole pages, published once every layer landed
         assert store.link.get(store.tiers[1].name).request_s is not None
+        if store.tiers[1].name == "redis":  # (one request at a time, layer after layer: serves_in_order)
+            assert rec.most_in_flight == 1
+            assert [c[2][0][0] // LAYOUT.layer_stride for c in rec.calls] == list(range(LAYERS))
         w.close()
 
 

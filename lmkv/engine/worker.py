@@ -142,6 +142,7 @@ class LayerwiseTransfer:
         self.layer_compute_s: float | None = None
         self._layer_end: float | None = None
         self._spans: dict[tuple[str, int], SpanChooser] = {}  # (tier, layers) -> its layers per request
+        self._in_order = {t.name for t in store.tiers if t.serves_in_order}
         self._plan = StepPlan()
         self._load_keys: list[list[PageKey]] = []  # the keys of the step's loads, in the plan's order
         self._held: list = []
@@ -256,7 +257,10 @@ class LayerwiseTransfer:
         return self.failed.take()
 
     def _depth(self, tier: str, span: int) -> int:
-        """Requests in flight: a request carries ``span`` layers, the forward computes as many."""
+        """Requests in flight: a request carries ``span`` layers, the forward computes as many; one at a
+        time to a tier that serves requests in order (:attr:`~lmkv.tiers.base.Tier.serves_in_order`)."""
+        if tier in self._in_order:
+            return 1
         compute = self.layer_compute_s * span if self.layer_compute_s is not None else None
         return pipeline_depth(self.store.link.get(tier).request_s, compute)
 

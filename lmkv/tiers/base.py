@@ -148,6 +148,10 @@ class Tier(ABC):
 
     #: whether reads from this tier verify page checksums
     verifies: bool = True
+    #: whether one server thread answers this tier's requests one after another (a Redis node): requests
+    #: in flight at once share its time, so a layerwise load's first layer lands no sooner than all of
+    #: them; one request at a time lands the layers in order at the same rate (the worker's depth 1)
+    serves_in_order: bool = False
 
     def __init__(self, name: str) -> None:
         self.name = name

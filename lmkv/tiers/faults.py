@@ -51,6 +51,7 @@ class FaultyTier(Tier):
         self.inner = inner
         self.spec = spec
         self.stats = inner.stats  # one set of counters for the tier, faults included
+        self.serves_in_order = inner.serves_in_order
         self._rng = random.Random(spec.seed)
         self._rng_lock = threading.Lock()
         self._t0 = time.monotonic()
