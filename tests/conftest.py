@@ -45,6 +45,13 @@ def make_pages(layout: GroupLayout, n: int, seed: int = 0):
     return keys, payloads, [(make_header(k, layout, p), p) for k, p in zip(keys, payloads)]
 
 
+def reads_back(source, keys, layout: GroupLayout, payloads) -> bool:
+    """Whether every page of ``keys`` reads back from ``source`` (a tier or a store) as ``payloads``."""
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+    got = source.get(keys, layout, outs)
+    return all(h is not None for h in got) and all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+
+
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A 1 MiB tmpfs: a real file system that fills up. Needs root (CI runs as root)."""

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import redis
-from conftest import make_pages
+from conftest import make_pages, reads_back
 
 from lmkv.config import load_config
 from lmkv.store import TieredStore
@@ -84,9 +83,7 @@ def test_a_steps_pages_stream_to_redis_and_are_readable_only_once_committed(requ
         assert remote.contains(keys) == [True] * 5 + [False]
         assert _staged(raw, prefix) == []
         assert (remote.stats.puts, remote.stats.put_bytes) == (5, 5 * layout.payload_bytes)
-        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys[:5]]
-        assert all(h is not None for h in reader.tiers[-1].get(keys[:5], layout, outs))
-        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+        assert reads_back(reader.tiers[-1], keys[:5], layout, payloads)
 
         more, more_payloads, _ = make_pages(layout, 2, seed=52)
         with store.open_session(more, [layout] * 2, streamed=True) as session:
@@ -134,9 +131,7 @@ def test_a_streamed_page_keeps_the_tiers_expiry_and_a_lost_staging_key_costs_onl
             h, p = store.tiers[-1]._names(k)
             assert 0 < raw.pttl(p) <= 600_000 and 0 < raw.pttl(h) <= 600_000
         store.memory.delete(keys)
-        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
-        assert all(h is not None for h in store.get(keys, layout, outs))
-        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+        assert reads_back(store, keys, layout, payloads)
     more, more_payloads, _ = make_pages(layout, 1, seed=54)
     with _store(redis_node.url, prefix) as store:
         with store.open_session(more, [layout], streamed=True) as session:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
-from conftest import make_pages
+from conftest import make_pages, reads_back
 
 from lmkv.config import load_config
 from lmkv.dev.server_process import spawn
@@ -58,9 +57,7 @@ def test_a_steps_pages_stream_to_the_server_layer_by_layer_and_are_readable_only
         assert ops.count(Op.PUT_END) == 1 and Op.PUT not in ops  # (nothing left to write through)
         assert remote.contains(keys) == [True, True, False]
         assert (remote.stats.puts, remote.stats.put_bytes) == (2, 2 * layout.payload_bytes)
-        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys[:2]]
-        assert all(h is not None for h in reader.tiers[-1].get(keys[:2], layout, outs))
-        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+        assert reads_back(reader.tiers[-1], keys[:2], layout, payloads)
 
         more, more_payloads, _ = make_pages(layout, 2, seed=42)
         with store.open_session(more, [layout] * 2, streamed=True) as session:
@@ -95,10 +92,8 @@ def test_a_stream_that_fails_leaves_its_pages_to_the_write_through_and_nothing_h
             session.commit()
         session.written_through.result()
         assert store.tiers[-1].contains(keys) == [True, True]
-        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
         store.memory.delete(keys)
-        assert all(h is not None for h in store.get(keys, layout, outs))
-        assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+        assert reads_back(store, keys, layout, payloads)
     for off in ({"stream_stores": False}, {"max_connections": 1}):  # (a stream holds a connection a step long)
         with _store(server.url, "auto", "stream-off", **off) as store:
             with store.open_session(keys, [layout] * 2, streamed=True) as session:
