@@ -155,6 +155,26 @@ def test_the_forward_waits_for_its_layer_not_for_the_whole_fetch(tmp_path):
         w.close()
 
 
+def test_a_fetch_that_cannot_plan_its_requests_recomputes_and_never_leaves_the_forward_waiting(tmp_path,
+                                                                                             monkeypatch):
+    """A failure while a fetch plans its requests (here the span choice raises) fails every page
+    below memory for a recompute; the forward's layer waits return, nothing is published."""
+    cfg = {"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+    full = _filled(cfg)
+    with TieredStore(load_config(cfg, environ={})) as store:
+        monkeypatch.setattr(LayerwiseTransfer, "_span", lambda self, layers, tier: 1 // 0)
+        empty = [torch.zeros_like(t) for t in full]
+        w = _load(store, empty, PageOp("r", 0, CHAINS, BLOCK_IDS, list(range(4))))
+        forward = threading.Thread(target=lambda: [w.before_layer(n) for n in NAMES] and w.end())
+        forward.start()
+        forward.join(20)
+        assert not forward.is_alive(), "the forward waits for a fetch that never started"
+        assert w.take_errors() == set(BLOCK_IDS)
+        assert not any(t.any() for t in empty)
+        assert store.memory.contains([page_key(c, LAYOUT) for c in CHAINS]) == [False] * 4
+        w.close()
+
+
 @pytest.mark.parametrize("how", ["one page fails at layer 2", "the tier dies after layer 0"])
 def test_a_failure_between_layers_recomputes_exactly_the_affected_blocks(below, how):
     full = _filled(below)

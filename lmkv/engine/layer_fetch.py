@@ -129,8 +129,9 @@ class LayerFetch:
                 ev.set()
 
     def _setup(self, pool: Executor) -> None:
-        holders: list[tuple[Tier, list[int]]] = []
-        try:
+        plans: list[tuple[Tier, list[int], list[tuple[int, int]], int]] = []  # (tier, pages, groups, depth)
+        layers = self.layout.num_layers
+        try:  # (everything that can fail before a request goes out: then nothing is in flight)
             lease = self.store.memory.borrow(self.keys, layout=self.layout)
             self._leases.append(lease)
             self.views, self.headers = list(lease.views), list(lease.headers)
@@ -139,28 +140,29 @@ class LayerFetch:
             for ok in self._ok:
                 for i in here:
                     ok[i] = True
+            holders: list[tuple[Tier, list[int]]] = []
             if missing and len(self.store.tiers) > 1:
                 holders = self.store.holders(self.keys, missing)
                 self._landing = landing = self.store.landing(self.keys, self.layout, holders)
                 if landing is not None:  # where the layers land, for the engine's copies meanwhile
                     for i in landing.missing:
                         self.views[i] = landing.buf(i)
-        except Exception:  # a failing tier must cost a recompute, never the engine
+            for tier, held in holders:
+                span = max(1, min(self._span(tier.name), layers))
+                groups = [(a, min(layers, a + span)) for a in range(0, layers, span)]
+                plans.append((tier, held, groups, max(1, min(self._depth(tier.name, span), len(groups)))))
+                self.spans[tier.name] = (span, len(held) * self.layout.payload_bytes)
+        except Exception:  # a failing tier (or a bug) must cost a recompute, never a forward that waits forever
             log.exception("lmkv: layerwise fetch could not start; recomputing its pages")
-            holders = []
-        self.from_below = sum(len(held) for _, held in holders)
+            plans = []
+        self.from_below = sum(len(held) for _, held, _, _ in plans)
         with self._lock:
-            self._left = [len(holders)] * self.layout.num_layers
-        if not holders:
+            self._left = [len(plans)] * layers
+        if not plans:
             for ev in self._ready:
                 ev.set()
             return
-        layers = self.layout.num_layers
-        for tier, held in holders:
-            span = max(1, min(self._span(tier.name), layers))
-            groups = [(a, min(layers, a + span)) for a in range(0, layers, span)]
-            depth = max(1, min(self._depth(tier.name, span), len(groups)))
-            self.spans[tier.name] = (span, len(held) * self.layout.payload_bytes)
+        for tier, held, groups, depth in plans:
             self._began[tier.name] = time.perf_counter()
             for k in range(depth):
                 self._submit(pool, tier, held, groups, k, depth)
