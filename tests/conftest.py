@@ -45,6 +45,16 @@ def make_pages(layout: GroupLayout, n: int, seed: int = 0):
     return keys, payloads, [(make_header(k, layout, p), p) for k, p in zip(keys, payloads)]
 
 
+def raw_redis(url: str):
+    """A plain redis-py client of the Redis (or cluster) at ``url``, to see or damage what lmkv stored."""
+    import redis
+
+    if url.startswith("redis-cluster://"):
+        host, port = url.removeprefix("redis-cluster://").split(",")[0].split(":")
+        return redis.RedisCluster(host=host, port=int(port))
+    return redis.Redis.from_url(url)
+
+
 def reads_back(source, keys, layout: GroupLayout, payloads) -> bool:
     """Whether every page of ``keys`` reads back from ``source`` (a tier or a store) as ``payloads``."""
     outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]

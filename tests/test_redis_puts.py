@@ -7,7 +7,7 @@ import time
 
 import pytest
 import redis
-from conftest import make_pages, reads_back
+from conftest import make_pages, raw_redis, reads_back
 
 from lmkv.config import load_config
 from lmkv.store import TieredStore
@@ -17,13 +17,6 @@ from lmkv.tiers.redis import RedisTier
 def _store(url: str, prefix: str, **remote) -> TieredStore:
     return TieredStore(load_config({"memory": {"capacity": "32MiB"},
                                     "remote": {"url": url, "key_prefix": prefix, **remote}}, environ={}))
-
-
-def _raw(url: str):
-    if url.startswith("redis-cluster://"):
-        host, port = url.removeprefix("redis-cluster://").split(",")[0].split(":")
-        return redis.RedisCluster(host=host, port=int(port))
-    return redis.Redis.from_url(url)
 
 
 def _staged(raw, prefix: str) -> list[bytes]:
@@ -66,7 +59,7 @@ def test_a_steps_pages_stream_to_redis_and_are_readable_only_once_committed(requ
     stored, no staging key is left, and an aborted step leaves nothing."""
     url = request.getfixturevalue("redis_node" if where == "node" else "redis_cluster").url
     prefix = f"rs{time.monotonic_ns()}:"
-    raw = _raw(url)
+    raw = raw_redis(url)
     writes = _writes(monkeypatch)
     keys, payloads, _ = make_pages(layout, 6, seed=51)
     with _store(url, prefix) as store, _store(url, prefix) as reader:
@@ -103,7 +96,7 @@ def test_a_streamed_page_keeps_the_tiers_expiry_and_a_lost_staging_key_costs_onl
     and the page goes whole at the commit; after the last range, the rename fails and the page is
     written through whole. Either way every page reads back right."""
     prefix = f"rt{time.monotonic_ns()}:"
-    raw = _raw(redis_node.url)
+    raw = raw_redis(redis_node.url)
     writes = _writes(monkeypatch)
     keys, payloads, _ = make_pages(layout, 3, seed=53)
     with _store(redis_node.url, prefix, ttl=600) as store:

@@ -6,8 +6,7 @@ import time
 
 import numpy as np
 import pytest
-import redis
-from conftest import make_pages, random_key
+from conftest import make_pages, random_key, raw_redis
 
 from lmkv.config import ConfigError, RemoteConfig, load_config
 from lmkv.dev.redis_server import free_port, start_redis
@@ -24,15 +23,6 @@ def tier(request):
     t = RedisTier(RemoteConfig(url=url, key_prefix=f"t{time.monotonic_ns()}:"))
     yield t
     t.close()
-
-
-def _raw_client(tier: RedisTier):
-    """A plain redis-py client on the same backend, to damage what lmkv stored."""
-    url = tier.cfg.url
-    if url.startswith("redis-cluster://"):
-        host, port = url.removeprefix("redis-cluster://").split(",")[0].split(":")
-        return redis.RedisCluster(host=host, port=int(port))
-    return redis.Redis.from_url(url)
 
 
 def test_roundtrip_ranges_delete(tier, layout):
@@ -58,7 +48,7 @@ def test_roundtrip_ranges_delete(tier, layout):
 def test_flipped_byte_in_redis_is_a_miss_and_dropped(tier, layout):
     keys, payloads, pages = make_pages(layout, 2)
     tier.put(pages, "engine")
-    raw = _raw_client(tier)
+    raw = raw_redis(tier.cfg.url)
     name = tier._names(keys[0])[1]
     b = raw.getrange(name, 1000, 1000)
     raw.setrange(name, 1000, bytes([b[0] ^ 0x10]))
@@ -72,7 +62,7 @@ def test_flipped_byte_in_redis_is_a_miss_and_dropped(tier, layout):
 def test_payload_evicted_but_header_left_is_a_miss(tier, layout):
     keys, _, pages = make_pages(layout, 1)
     tier.put(pages, "engine")
-    _raw_client(tier).delete(tier._names(keys[0])[1])
+    raw_redis(tier.cfg.url).delete(tier._names(keys[0])[1])
     assert tier.get(keys, layout, [np.zeros(layout.payload_bytes, np.uint8)]) == [None]
     assert tier.contains(keys) == [False]
 
@@ -80,7 +70,7 @@ def test_payload_evicted_but_header_left_is_a_miss(tier, layout):
 def test_truncated_payload_and_foreign_layout_are_misses(tier, layout, mamba_layout):
     keys, _, pages = make_pages(layout, 1)
     tier.put(pages, "engine")
-    _raw_client(tier).set(tier._names(keys[0])[1], b"short")
+    raw_redis(tier.cfg.url).set(tier._names(keys[0])[1], b"short")
     assert tier.get(keys, layout, [np.zeros(layout.payload_bytes, np.uint8)]) == [None]
     keys, _, pages = make_pages(layout, 1, seed=5)
     tier.put(pages, "engine")

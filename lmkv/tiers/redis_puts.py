@@ -83,19 +83,19 @@ class RedisPutTarget:
             ok: list[bool] = []
             for r in batches([end - start] * len(idx), PUBLISH_BYTES, len(idx)):
                 part = [pages[j] for j in idx[r.start : r.stop]]
+                appends = [start == self._length[i] for i in part]
                 async with client.pipeline(transaction=False) as pipe:
-                    for i in part:
+                    for i, appended in zip(part, appends):
                         data = self._views[i][start:end]
-                        if start == self._length[i]:
+                        if appended:
                             pipe.append(self._staging[i], data)
                         else:
                             pipe.setrange(self._staging[i], start, data)
                         pipe.pexpire(self._staging[i], self._staging_ms)
                     replies = await pipe.execute(raise_on_error=False)
                 _moved(replies)
-                for k, i in enumerate(part):
+                for k, (i, appended) in enumerate(zip(part, appends)):
                     got = replies[2 * k]
-                    appended = start == self._length[i]
                     good = isinstance(got, int) and (got == end if appended else got >= end)
                     if isinstance(got, rexc.ResponseError):
                         self._refused(got)

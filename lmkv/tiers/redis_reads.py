@@ -79,25 +79,27 @@ class _Replies:
         if kind == b"_":  # (RESP3's null)
             return None
         if kind == b"!":  # (RESP3's blob error)
-            body = memoryview(bytearray(int(rest)))
-            self.into(body)
-            self._crlf()
-            return rexc.ResponseError(bytes(body).decode(errors="replace"))
+            return rexc.ResponseError(self._body(int(rest)).decode(errors="replace"))
         if kind != b"$":
             raise rexc.InvalidResponse(f"unexpected reply {head[:40]!r} to GET/GETRANGE")
         n = int(rest)
         if n < 0:
             return None
-        if sink is not None and n == len(sink):
+        if sink is None:
+            return self._body(n)
+        if n == len(sink):
             self.into(sink)
+            self._crlf()
         else:
-            body = memoryview(bytearray(n))
-            self.into(body)
-            if sink is None:
-                self._crlf()
-                return bytes(body)
-        self._crlf()
+            self._body(n)  # (read aside: the buffer is left as it was)
         return n
+
+    def _body(self, n: int) -> bytes:
+        """A bulk body of ``n`` bytes and its CRLF, as ``bytes``."""
+        body = bytearray(n)
+        self.into(memoryview(body))
+        self._crlf()
+        return bytes(body)
 
     def _crlf(self) -> None:
         while self._end - self._at < 2:
