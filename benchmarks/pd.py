@@ -27,6 +27,7 @@ tokens over its whole context, as a hand-off does). Per tier and shape:
 - ``pd.stall_extra``: the tier SIGSTOPped between P's answer and D's request: D's time over its
   cold prefill (the median of three), beside ``pd.wait``; ``pd.stall_short_ttft``: a short
   request sent to D alongside, vs the same hand-off and short request with the tier running;
+  both the medians of three stalled hand-offs, each after an unstalled one (:data:`STALLS`);
 - ``pd.multiturn.answer_blocks.{stores_decoded,no_stores_decoded}`` (first tier and shape):
   turn 2 (turn 1 + D's answer + a question) prefilled on P: the blocks of turn 1's answer P
   loaded, with D storing its decoded blocks (``pd.consumer_stores_decoded``) and without.
@@ -69,6 +70,9 @@ log = logging.getLogger("lmkv.bench.pd")
 
 BLOCK = 32
 WAIT = 2.0  # pd.wait for the run (a hand-off that needs it all is a figure worth seeing, not a failure)
+#: stalled hand-offs per tier, each beside an unstalled one: the stall figures are their medians (one
+#: short request's TTFT varies by 20-30% run to run here, as much as what the figure looks for)
+STALLS = 3
 ANSWER = 100  # turn 1's answer, tokens (three blocks and more of decoded KV)
 #: P's priority on the cores it shares with D here (see the module doc): its spin yields to D
 PRODUCER_NICE = 19
@@ -214,7 +218,8 @@ def _handoffs(rep: Report, pair: Pair, prompts: list[list[int]], repeats: int, s
 
 def _stall(rep: Report, pair: Pair, tier: Tier, ids: list[int], vocab: int, suffix: str) -> None:
     """The tier stopped between P's answer and D's request: D's time over its cold prefill, and a
-    short request's TTFT sent to D alongside, vs the same hand-off and short request unstalled."""
+    short request's TTFT sent to D alongside, vs the same hand-off and short request unstalled
+    (medians of :data:`STALLS` of each, taken in turn)."""
     d = pair.d
     short = _tokens(200, 99, vocab)
 
@@ -242,11 +247,12 @@ def _stall(rep: Report, pair: Pair, tier: Tier, ids: list[int], vocab: int, suff
         return took, out["short"]
 
     cold = [d.complete(ids, salt=f"stall-cold-{i}", max_tokens=1)[1] for i in range(2)]
-    _, short_base = alongside("stall-base", stop=False)
-    stalled, short_stalled = alongside("stall", stop=True)
+    runs = [(alongside(f"stall-base-{i}", stop=False), alongside(f"stall-{i}", stop=True)) for i in range(STALLS)]
     cold.append(d.complete(ids, salt="stall-cold-2", max_tokens=1)[1])
-    log.info("%s stall: D %.3f s (cold %s), short %.3f s (unstalled %.3f)", suffix, stalled,
-             ", ".join(f"{c:.3f}" for c in cold), short_stalled, short_base)
+    stalled = statistics.median(s[0] for _, s in runs)
+    short_stalled, short_base = statistics.median(s[1] for _, s in runs), statistics.median(b[1] for b, _ in runs)
+    log.info("%s stall: D %s s (cold %s), short %s s (unstalled %s)", suffix, [round(s[0], 3) for _, s in runs],
+             [round(c, 3) for c in cold], [round(s[1], 3) for _, s in runs], [round(b[1], 3) for b, _ in runs])
     rep.add(f"pd.stall_extra{suffix}", max(0.0, stalled - statistics.median(cold)), "s", WAIT,
             "pd.wait (the configured deadline)")
     rep.add(f"pd.stall_short_ttft{suffix}", short_stalled, "s", short_base,

@@ -32,7 +32,7 @@ def test_replies_land_in_their_buffers_and_the_connection_stays_in_step(redis_no
     sinks = [None, memoryview(whole), memoryview(part), memoryview(bytearray(8)), memoryview(bytearray(10)),
              memoryview(wrong), memoryview(bytearray(8)), None]
     for _ in range(2):  # (the same pooled connection again: nothing of the last replies left over)
-        got = read_pipelined(client.connection_pool, commands, sinks)
+        got = list(read_pipelined(client.connection_pool, [commands[:3], commands[3:]], sinks))
         assert got[0] == small and got[1] == len(big) and got[2] == 1 << 20
         assert bytes(whole) == big and bytes(part) == big[1 << 20 : 2 << 20]
         assert got[3] is None and got[4] == 0
@@ -50,6 +50,25 @@ def test_a_server_that_does_not_answer_is_a_timeout_and_its_connection_is_droppe
                                       connect_timeout=0.3), asyncio_client=False)
     t0 = time.monotonic()
     with pytest.raises(rexc.TimeoutError):
-        read_pipelined(client.connection_pool, [("GET", "k")], [memoryview(bytearray(8))])
+        list(read_pipelined(client.connection_pool, [[("GET", "k")]], [memoryview(bytearray(8))]))
     assert time.monotonic() - t0 < 0.3 + 0.5
     assert all(c._sock is None for c in client.connection_pool._available_connections)
+
+
+def test_chunks_go_ahead_of_their_replies_and_a_reader_that_stops_early_drops_the_connection(redis_node):
+    """Each reply comes back as it is read, the next chunk of commands already sent; a caller that
+    stops reading leaves replies on the wire: that connection is dropped, the next read is in step."""
+    client = redis.Redis.from_url(redis_node.url)
+    tag = f"ahead-{time.monotonic_ns()}"
+    values = [os.urandom(1 << 20) for _ in range(6)]
+    for i, v in enumerate(values):
+        client.set(f"{tag}:{i}", v)
+    bufs = [bytearray(1 << 20) for _ in values]
+    chunks = [[("GET", f"{tag}:{i}") for i in range(j, j + 2)] for j in range(0, 6, 2)]
+    replies = read_pipelined(client.connection_pool, chunks, [memoryview(b) for b in bufs])
+    assert next(replies) == 1 << 20 and bytes(bufs[0]) == values[0]
+    assert bytes(bufs[1]) == bytes(1 << 20)  # (not read yet: nothing but the first reply has landed)
+    replies.close()
+    assert all(c._sock is None for c in client.connection_pool._available_connections)
+    got = list(read_pipelined(client.connection_pool, chunks, [memoryview(b) for b in bufs]))
+    assert got == [1 << 20] * 6 and [bytes(b) for b in bufs] == values

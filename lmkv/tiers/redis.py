@@ -39,6 +39,7 @@ failover or a reshard) makes the tier read the map again and retry its pages onc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -55,14 +56,14 @@ from lmkv.config import ConfigError, RemoteConfig
 from lmkv.errors import PageError, PartlyStoredError, TierUnavailableError
 from lmkv.keys import PageKey, key_hex
 from lmkv.layout import GroupLayout
-from lmkv.page import PageHeader, as_bytes_view, unpack_header
+from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, unpack_header
 from lmkv.tiers import remote
 from lmkv.tiers.base import Range
 from lmkv.tiers.put_stream import StepPutStream
 from lmkv.tiers.redis_nodes import ClusterNodes
 from lmkv.tiers.redis_puts import RedisPutTarget, redis_session, staging_ttl_ms
 from lmkv.tiers.redis_reads import read_pipelined
-from lmkv.tiers.remote import HeaderCache, RemoteTier, batches
+from lmkv.tiers.remote import Checked, HeaderCache, RemoteTier, batches
 
 #: packed headers kept client-side (about 200 bytes each for an 8-layer page)
 HEADER_CACHE = 65536
@@ -346,16 +347,18 @@ class RedisTier(RemoteTier):
 
     def _read_pages(self, pool, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
                     ranges: Sequence[Range] | None) -> list:
-        """Pages (or their ``ranges``) in pipelines of at most :data:`~lmkv.tiers.remote.PUBLISH_BYTES`
-        (what Redis buffers for a reply), with the headers not cached yet."""
+        """Pages (or their ``ranges``), with the headers not cached yet, in one stream of commands sent
+        in chunks of at most :data:`~lmkv.tiers.remote.PUBLISH_BYTES` (what Redis buffers for a reply);
+        each page is verified as soon as its replies are in, while Redis sends the next."""
         want = [(0, layout.payload_bytes)] if ranges is None else list(ranges)
+        units = units_in_ranges(layout, want) if self.verifies else None
         headers: list = self._headers.get(keys)
         names = [self._names(k) for k in keys]
         per_page = sum(b - a for a, b in want)
-        out: list = []
+        chunks: list[list[tuple]] = []
+        sinks: list = []
         for r in batches([per_page] * len(keys), remote.PUBLISH_BYTES, len(keys)):
             commands: list[tuple] = []
-            sinks: list = []
             for j in r:
                 (h, p), dst = names[j], as_bytes_view(outs[j])
                 if headers[j] is None:
@@ -364,11 +367,18 @@ class RedisTier(RemoteTier):
                 for a, b in want:
                     commands.append(("GET", p) if ranges is None else ("GETRANGE", p, a, b - 1))
                     sinks.append(dst[a:b])
-            replies = iter(read_pipelined(pool, commands, sinks))
-            for j in r:
+            chunks.append(commands)
+        out: list = []
+        with contextlib.closing(read_pipelined(pool, chunks, sinks)) as replies:
+            for j, key in enumerate(keys):
                 header = next(replies) if headers[j] is None else headers[j]
                 parts = [next(replies) for _ in want]
-                out.append(self._landed(keys[j], names[j], layout, want, header, parts))
+                got = self._landed(key, names[j], layout, want, header, parts)
+                if units is not None and isinstance(got, PageHeader):
+                    got = self._verified(key, got, layout, outs[j], units)
+                    if not isinstance(got, Checked):  # (the caller's check counts and drops it)
+                        self._headers.forget([key])
+                out.append(got)
         return out
 
     def _landed(self, key: PageKey, names: tuple[bytes, bytes], layout: GroupLayout, want: list[Range],

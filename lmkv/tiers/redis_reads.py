@@ -8,6 +8,11 @@ pooled connections (its connect, ``AUTH``, TLS and database selection are kept),
 reply meant for a buffer is received into it with ``recv_into``: the bytes cross from the kernel
 once, and nothing the size of a page is allocated.
 
+Replies come back one by one as they are read, so the caller checks a page while the next is still
+on its way, and the commands go in chunks with the next chunk already sent while this one's replies
+are read: Redis answers it while the caller checks these (one chunk after another, Redis sat idle
+through every check and every round trip between chunks).
+
 Only the replies of ``GET`` and ``GETRANGE`` are read, in RESP2 or RESP3 (redis-py 8 speaks RESP3
 where the server does): a bulk string, null, or an error. Anything else is a protocol error, and
 the connection is dropped, as on any failure mid-read (the stream would be out of step).
@@ -16,13 +21,15 @@ the connection is dropped, as on any failure mid-read (the stream would be out o
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from redis import exceptions as rexc
 
 #: bytes a header line is read with: the line, and then some of the next payload, copied once more
 LINE_READ = 4096
+#: chunks of commands sent before the replies of the one being read
+AHEAD = 1
 
 
 class _Replies:
@@ -109,25 +116,33 @@ class _Replies:
         self._at += 2
 
 
-def read_pipelined(pool, commands: Sequence[tuple], sinks: Sequence[memoryview | None]) -> list[Any]:
-    """Send ``commands`` (``GET``/``GETRANGE``) in one write on a connection of redis-py's ``pool``
-    and read their replies, each meant for a buffer straight into its ``sinks`` entry (see
-    :meth:`_Replies.reply` for what each comes back as). Raises redis-py's ``ConnectionError`` /
-    ``TimeoutError`` when the server cannot be reached or stalls past the socket timeout."""
+def read_pipelined(pool, chunks: Sequence[Sequence[tuple]], sinks: Sequence[memoryview | None]) -> Iterator[Any]:
+    """Send ``chunks`` of commands (``GET``/``GETRANGE``), each in one write, on a connection of
+    redis-py's ``pool``, :data:`AHEAD` chunks ahead of the replies being read, and yield each reply
+    as it is read, one meant for a buffer read straight into its ``sinks`` entry (``sinks``: one per
+    command, in order; see :meth:`_Replies.reply` for what each comes back as). Raises redis-py's
+    ``ConnectionError`` / ``TimeoutError`` when the server cannot be reached or stalls past the
+    socket timeout. A caller that stops reading early drops the connection (its stream is out of step)."""
     conn = pool.get_connection()
+    complete = False
     try:
-        conn.send_packed_command(conn.pack_commands(commands))
-        replies = _Replies(conn._sock)  # (redis-py's parser has nothing buffered: its reply reads no more)
-        out = [replies.reply(s) for s in sinks]
+        sent, at = 0, 0
+        replies = None
+        for k, chunk in enumerate(chunks):
+            while sent < min(k + 1 + AHEAD, len(chunks)):
+                conn.send_packed_command(conn.pack_commands(chunks[sent]))
+                sent += 1
+            if replies is None:  # (redis-py's parser has nothing buffered: its reply reads no more)
+                replies = _Replies(conn._sock)
+            for _ in chunk:
+                yield replies.reply(sinks[at])
+                at += 1
+        complete = True
     except TimeoutError as err:  # (the socket's timeout: redis-py sets it to remote.timeout)
-        conn.disconnect()
         raise rexc.TimeoutError(f"Redis did not answer in {conn.socket_timeout} s") from err
     except OSError as err:
-        conn.disconnect()
         raise rexc.ConnectionError(f"reading from Redis: {err}") from err
-    except BaseException:
-        conn.disconnect()
-        raise
     finally:
+        if not complete:  # (a failure, or a caller that stopped early: replies may still be coming)
+            conn.disconnect()
         pool.release(conn)
-    return out
