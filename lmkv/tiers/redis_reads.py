@@ -21,7 +21,7 @@ the connection is dropped, as on any failure mid-read (the stream would be out o
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 from redis import exceptions as rexc
@@ -116,7 +116,8 @@ class _Replies:
         self._at += 2
 
 
-def read_pipelined(pool, chunks: Sequence[Sequence[tuple]], sinks: Sequence[memoryview | None]) -> Iterator[Any]:
+def read_pipelined(pool, chunks: Sequence[Sequence[tuple]],
+                   sinks: Sequence[memoryview | None]) -> Generator[Any, None, None]:
     """Send ``chunks`` of commands (``GET``/``GETRANGE``), each in one write, on a connection of
     redis-py's ``pool``, :data:`AHEAD` chunks ahead of the replies being read, and yield each reply
     as it is read, one meant for a buffer read straight into its ``sinks`` entry (``sinks``: one per
