@@ -249,13 +249,12 @@ def _stall(rep: Report, pair: Pair, tier: Tier, ids: list[int], vocab: int, suff
     cold = [d.complete(ids, salt=f"stall-cold-{i}", max_tokens=1)[1] for i in range(2)]
     runs = [(alongside(f"stall-base-{i}", stop=False), alongside(f"stall-{i}", stop=True)) for i in range(STALLS)]
     cold.append(d.complete(ids, salt="stall-cold-2", max_tokens=1)[1])
-    stalled = statistics.median(s[0] for _, s in runs)
-    short_stalled, short_base = statistics.median(s[1] for _, s in runs), statistics.median(b[1] for b, _ in runs)
-    log.info("%s stall: D %s s (cold %s), short %s s (unstalled %s)", suffix, [round(s[0], 3) for _, s in runs],
-             [round(c, 3) for c in cold], [round(s[1], 3) for _, s in runs], [round(b[1], 3) for b, _ in runs])
-    rep.add(f"pd.stall_extra{suffix}", max(0.0, stalled - statistics.median(cold)), "s", WAIT,
+    took, short_stalled, short_base = [s[0] for _, s in runs], [s[1] for _, s in runs], [b[1] for b, _ in runs]
+    log.info("%s stall: D %s s (cold %s), short %s s (unstalled %s)", suffix,
+             *([round(t, 3) for t in ts] for ts in (took, cold, short_stalled, short_base)))
+    rep.add(f"pd.stall_extra{suffix}", max(0.0, statistics.median(took) - statistics.median(cold)), "s", WAIT,
             "pd.wait (the configured deadline)")
-    rep.add(f"pd.stall_short_ttft{suffix}", short_stalled, "s", short_base,
+    rep.add(f"pd.stall_short_ttft{suffix}", statistics.median(short_stalled), "s", statistics.median(short_base),
             "the same short request beside the same hand-off, tier running")
 
 

@@ -62,7 +62,7 @@ from lmkv.tiers.base import Range
 from lmkv.tiers.put_stream import StepPutStream
 from lmkv.tiers.redis_nodes import ClusterNodes
 from lmkv.tiers.redis_puts import RedisPutTarget, redis_session, staging_ttl_ms
-from lmkv.tiers.redis_reads import read_pipelined
+from lmkv.tiers.redis_reads import AHEAD, read_pipelined
 from lmkv.tiers.remote import Checked, HeaderCache, RemoteTier, batches
 
 #: packed headers kept client-side (about 200 bytes each for an 8-layer page)
@@ -348,8 +348,10 @@ class RedisTier(RemoteTier):
     def _read_pages(self, pool, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
                     ranges: Sequence[Range] | None) -> list:
         """Pages (or their ``ranges``), with the headers not cached yet, in one stream of commands sent
-        in chunks of at most :data:`~lmkv.tiers.remote.PUBLISH_BYTES` (what Redis buffers for a reply);
-        each page is verified as soon as its replies are in, while Redis sends the next."""
+        in chunks, each page verified as soon as its replies are in while Redis sends the next. Redis
+        holds the replies of the chunks sent ahead too (:data:`~lmkv.tiers.redis_reads.AHEAD`), so a
+        chunk is that share of :data:`~lmkv.tiers.remote.PUBLISH_BYTES`: what Redis buffers for one
+        read stays within it (its clients' buffers count against ``maxmemory``: more would evict pages)."""
         want = [(0, layout.payload_bytes)] if ranges is None else list(ranges)
         units = units_in_ranges(layout, want) if self.verifies else None
         headers: list = self._headers.get(keys)
@@ -357,7 +359,7 @@ class RedisTier(RemoteTier):
         per_page = sum(b - a for a, b in want)
         chunks: list[list[tuple]] = []
         sinks: list = []
-        for r in batches([per_page] * len(keys), remote.PUBLISH_BYTES, len(keys)):
+        for r in batches([per_page] * len(keys), remote.PUBLISH_BYTES // (1 + AHEAD), len(keys)):
             commands: list[tuple] = []
             for j in r:
                 (h, p), dst = names[j], as_bytes_view(outs[j])
