@@ -24,10 +24,10 @@ tokens over its whole context, as a hand-off does). Per tier and shape:
   hit's of the same prompt (vLLM's CPU engine can round a hit's last tokens, computed alone over
   cached KV, to another token than the cold prefill's: measured at 2,700 and 3,400 tokens of the
   4 MiB shape, vLLM's own cache with no connector);
-- ``pd.stall_extra``: the tier SIGSTOPped between P's answer and D's request: D's time over its
-  cold prefill (the median of three), beside ``pd.wait``; ``pd.stall_short_ttft``: a short
+- ``pd.stall_extra``: the tier SIGSTOPped between P's answer and D's request: D's time over a cold
+  prefill of the same prompt just before, beside ``pd.wait``; ``pd.stall_short_ttft``: a short
   request sent to D alongside, vs the same hand-off and short request with the tier running;
-  both the medians of three stalled hand-offs, each after an unstalled one (:data:`STALLS`);
+  both the medians of five such rounds (:data:`STALLS`);
 - ``pd.multiturn.answer_blocks.{stores_decoded,no_stores_decoded}`` (first tier and shape):
   turn 2 (turn 1 + D's answer + a question) prefilled on P: the blocks of turn 1's answer P
   loaded, with D storing its decoded blocks (``pd.consumer_stores_decoded``) and without.
@@ -70,9 +70,10 @@ log = logging.getLogger("lmkv.bench.pd")
 
 BLOCK = 32
 WAIT = 2.0  # pd.wait for the run (a hand-off that needs it all is a figure worth seeing, not a failure)
-#: stalled hand-offs per tier, each beside an unstalled one: the stall figures are their medians (one
-#: short request's TTFT varies by 20-30% run to run here, as much as what the figure looks for)
-STALLS = 3
+#: stalled hand-offs per tier, each beside a cold prefill and an unstalled one: the stall figures are
+#: their medians (a 2,000-token cold prefill varied 0.75-1.08 s run to run here, a short request's
+#: TTFT by 20-30%: as much as the figures look for)
+STALLS = 5
 ANSWER = 100  # turn 1's answer, tokens (three blocks and more of decoded KV)
 #: P's priority on the cores it shares with D here (see the module doc): its spin yields to D
 PRODUCER_NICE = 19
@@ -218,8 +219,9 @@ def _handoffs(rep: Report, pair: Pair, prompts: list[list[int]], repeats: int, s
 
 def _stall(rep: Report, pair: Pair, tier: Tier, ids: list[int], vocab: int, suffix: str) -> None:
     """The tier stopped between P's answer and D's request: D's time over its cold prefill, and a
-    short request's TTFT sent to D alongside, vs the same hand-off and short request unstalled
-    (medians of :data:`STALLS` of each, taken in turn)."""
+    short request's TTFT sent to D alongside, vs the same hand-off and short request unstalled:
+    medians over :data:`STALLS` rounds, each a cold prefill, an unstalled and a stalled hand-off
+    (the extra is each stalled hand-off's over its own round's cold prefill)."""
     d = pair.d
     short = _tokens(200, 99, vocab)
 
@@ -246,13 +248,14 @@ def _stall(rep: Report, pair: Pair, tier: Tier, ids: list[int], vocab: int, suff
                 os.kill(tier.pid, signal.SIGCONT)
         return took, out["short"]
 
-    cold = [d.complete(ids, salt=f"stall-cold-{i}", max_tokens=1)[1] for i in range(2)]
-    runs = [(alongside(f"stall-base-{i}", stop=False), alongside(f"stall-{i}", stop=True)) for i in range(STALLS)]
-    cold.append(d.complete(ids, salt="stall-cold-2", max_tokens=1)[1])
+    cold, runs = [], []
+    for i in range(STALLS):  # (each stalled hand-off beside its own cold prefill and unstalled hand-off)
+        cold.append(d.complete(ids, salt=f"stall-cold-{i}", max_tokens=1)[1])
+        runs.append((alongside(f"stall-base-{i}", stop=False), alongside(f"stall-{i}", stop=True)))
     took, short_stalled, short_base = [s[0] for _, s in runs], [s[1] for _, s in runs], [b[1] for b, _ in runs]
     log.info("%s stall: D %s s (cold %s), short %s s (unstalled %s)", suffix,
              *([round(t, 3) for t in ts] for ts in (took, cold, short_stalled, short_base)))
-    rep.add(f"pd.stall_extra{suffix}", max(0.0, statistics.median(took) - statistics.median(cold)), "s", WAIT,
+    rep.add(f"pd.stall_extra{suffix}", max(0.0, statistics.median(t - c for t, c in zip(took, cold))), "s", WAIT,
             "pd.wait (the configured deadline)")
     rep.add(f"pd.stall_short_ttft{suffix}", statistics.median(short_stalled), "s", statistics.median(short_base),
             "the same short request beside the same hand-off, tier running")
