@@ -360,9 +360,9 @@ class LMKVConfig(_Section):
     )
     layerwise_span: int = Field(
         0, ge=0, description="layers per request when a layerwise load reads a tier below memory; 0: "
-        "chosen per tier from what the forward waited per byte at each span in recent loads (every page "
-        "of a request costs fixed work at both ends, so one layer per request can cost more than its "
-        "overlap hides)")
+        "chosen per tier from recent loads at each span: the tier's time to deliver a load plus the "
+        "forward's waits for it, per byte (every page of a request costs fixed work at both ends, so "
+        "one layer per request can cost more than its overlap hides)")
     layerwise_max_stall: float = Field(
         2.0, ge=0, description="load_mode auto: the longest fetch, as a multiple of the engine's recent "
         "step time, that a hit below memory may take layerwise while other requests share the step")

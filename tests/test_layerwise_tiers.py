@@ -6,6 +6,7 @@ blocks, and a half-fetched page is never published."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
@@ -231,7 +232,7 @@ def test_the_scheduler_chooses_layerwise_unless_the_fetch_would_stall_a_shared_s
             assert s.loads_async({"redis": 4 << 20}) is want
 
 
-def test_the_span_follows_what_the_forward_waited_per_byte():
+def test_the_span_follows_what_its_loads_cost_per_byte():
     c = SpanChooser(8)
     assert c.spans == [1, 2, 4, 8]
     assert c.pick() == 8  # whole pages first
@@ -248,6 +249,51 @@ def test_the_span_follows_what_the_forward_waited_per_byte():
     assert c.pick() == 2
     tie = SpanChooser(4, cost={1: 0.0, 2: 0.0, 4: 0.0})
     assert tie.pick() == 4  # nothing waited at any span: the fewest requests
+
+
+def test_the_span_counts_the_fetchs_time_not_only_the_forwards_waits(tmp_path):
+    """A tier that serves one request at a time, each costing far more than its bytes, under a
+    forward slower than any request: each span's forward waits only for its first request, so the
+    smallest span waits least, but the tier works three times as long for it. The span stays
+    whole pages once its neighbour was tried (the waits alone walked it down to one layer)."""
+    cfg = {"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "disk")}}
+    sets = [[bytes([16 * k + i + 1]) * 16 for i in range(4)] for k in range(4)]
+    gen = torch.Generator().manual_seed(7)
+    full = [torch.randn(BLOCKS, 2, TOKENS, 128, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    with TieredStore(load_config(cfg, environ={})) as store:  # every set on disk (write-through)
+        w = LayerwiseTransfer(store, [LAYOUT], [full], NAMES)
+        for chains in sets:
+            w.begin(StepPlan(stores=[PageOp("r", 0, chains, BLOCK_IDS, list(range(4)))]))
+            for name in NAMES:
+                w.after_layer(name)
+            w.end()
+        store.drain()
+        w.close()
+    with TieredStore(load_config(cfg, environ={})) as store:  # memory empty: every page is below
+        disk, one_at_a_time, spans = store.tiers[1], threading.Lock(), []
+        read = disk.get_ranges
+
+        def slow(keys, layout, ranges, outs):
+            span = (ranges[0][1] - ranges[0][0]) // layout.layer_stride
+            with one_at_a_time:
+                spans.append(span)
+                time.sleep(0.08 + 0.01 * span)  # (a fixed cost per request, and a little per layer)
+                return read(keys, layout, ranges, outs)
+
+        disk.get_ranges = slow
+        w = LayerwiseTransfer(store, [LAYOUT], [[torch.zeros_like(t) for t in full]], NAMES)
+        chosen = []
+        for chains in sets:
+            w.begin(StepPlan(loads=[PageOp("r", 0, chains, BLOCK_IDS, list(range(4)))]))
+            w.start_loads()
+            for name in NAMES:
+                w.before_layer(name)
+                time.sleep(0.1)  # (the layer's compute: longer than any request)
+            w.end()
+            assert w.take_errors() == set()
+            chosen.append(spans[-1])
+        w.close()
+    assert chosen == [LAYERS, LAYERS // 2, LAYERS, LAYERS]
 
 
 def test_a_fetch_with_a_span_asks_each_run_of_layers_in_one_range(tmp_path):

@@ -58,6 +58,18 @@ class Client:
                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def _nice_session(pid: int, nice: int) -> None:
+    """Lower the CPU share of the session ``pid`` leads against other sessions. With the kernel's
+    autogroups (``kernel.sched_autogroup_enabled``, on in most distributions) each session is a
+    scheduling group of its own and a process's nice value weighs only within its group: an
+    engine at nice 19 still took a full share of the cores from the engine beside it until its
+    group's nice was set too (``/proc/PID/autogroup``)."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:  # no autogroups (the nice value alone then does it), or not ours to lower
+        pass
+
+
 class Serve(Client):
     """One ``vllm serve`` process (and its engine process) in a session of its own, stopped as a group."""
 
@@ -80,6 +92,8 @@ class Serve(Client):
              "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0",
              "--kv-transfer-config", json.dumps(cfg)],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if nice:
+            _nice_session(self.proc.pid, nice)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -283,8 +283,9 @@ class LayerwiseTransfer:
         try:
             if isinstance(load.future, LayerFetch):
                 fetched = load.future.finish()
-                for tier, (span, nbytes) in load.future.spans.items():
-                    self._chooser(tier, self.groups[g].num_layers).record(span, load.waited_s, nbytes)
+                for tier, took in load.future.took.items():  # (tiers that failed a request: no sample)
+                    span, nbytes = load.future.spans[tier]
+                    self._chooser(tier, self.groups[g].num_layers).record(span, took + load.waited_s, nbytes)
             else:
                 fetched = load.future.result()
         except Exception:  # a failing tier must cost a recompute, never the engine
