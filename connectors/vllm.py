@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from lmkv.config import ConfigError, LMKVConfig, load_config
+from lmkv.connectors.vllm_arrivals import engine_arrivals
 from lmkv.connectors.vllm_events import VllmEvents
 from lmkv.connectors.vllm_groups import group_layouts, transfer_group_ids
 from lmkv.connectors.vllm_plugin import tell_parent
@@ -202,6 +203,8 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._split_pending = role is KVConnectorRole.SCHEDULER and any(
             g.growth is Growth.PER_SEQUENCE for g in self.groups)
         self._vllm_scheduler: Any = None
+        #: whether the engine core has a request to take in (a pause in an empty step ends then)
+        self._arrivals = engine_arrivals() if role is KVConnectorRole.SCHEDULER else None
         if role is KVConnectorRole.SCHEDULER:
             # Workers are built before the scheduler: if one lives in this process, share its store;
             # otherwise mirror the workers' memory from their step reports and see shared tiers directly.
@@ -314,7 +317,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.events is not None:
             self.events.expect_stores(scheduled, plan, self._requests, self._block_hash)
         if not scheduler_output.total_num_scheduled_tokens and not plan:
-            self.scheduler.pause_idle()  # (a step that runs nothing: pace the engine's loop)
+            self.scheduler.pause_idle(self._arrivals)  # (a step that runs nothing: pace the engine's loop)
         return LMKVConnectorMetadata(plan)
 
     def _block_hash(self, block_id: int) -> bytes | None:

@@ -245,6 +245,93 @@ def test_a_consumer_stores_the_blocks_it_decoded_only_if_told(model_config, tmp_
         assert stored == (2 if stores_decoded else 0)
 
 
+def test_a_pause_ends_when_a_request_arrives():
+    """A consumer waits, its lookup out: a request that comes in meanwhile ends the pause of an
+    empty step at once (vLLM reads its input queue only between steps), found in the input queue
+    of the engine core that built the connector."""
+    import queue
+    import threading
+
+    from lmkv.config import load_config
+    from lmkv.connectors.vllm_arrivals import engine_arrivals
+    from lmkv.engine.scheduler import POLL_MAX_S, OffloadScheduler
+    from lmkv.layout import attention_layout
+    from lmkv.store import TieredStore
+
+    class Connector:
+        def __init__(self) -> None:
+            self.arrivals = engine_arrivals()
+
+    class Scheduler:
+        def __init__(self) -> None:
+            self.connector = Connector()
+
+    class EngineCore:  # (vLLM's: its scheduler built in its constructor, the queue made before it)
+        def __init__(self) -> None:
+            self.input_queue: queue.Queue = queue.Queue()
+            self.scheduler = Scheduler()
+
+    core = EngineCore()
+    arrived = core.scheduler.connector.arrivals
+    assert arrived is not None and not arrived()
+    assert Connector().arrivals is None  # (built by no engine core: the pause keeps its own timing)
+    layout = attention_layout("attn", 2, BLOCK, 2, 64, 2, "bfloat16")
+    with TieredStore(load_config({"memory": {"capacity": "4MiB"}}, environ={})) as store:
+        s = OffloadScheduler(store, [layout], BLOCK, "m", "ns", role="consumer", lookup_timeout=5)
+        s.track("a", prompt_tokens=PROMPT, expect_pages=PAGES)
+        landed = threading.Event()
+        assert s._lookups.result("a", 0, lambda: landed.wait(5)) is NOT_YET
+        t0 = time.monotonic()
+        s.pause_idle(arrived)
+        assert time.monotonic() - t0 >= 0.9 * POLL_MAX_S  # (nothing came: the whole pause)
+        threading.Timer(0.005, core.input_queue.put, ("a request",)).start()
+        t0 = time.monotonic()
+        s.pause_idle(arrived)
+        assert time.monotonic() - t0 < 0.6 * POLL_MAX_S  # (woken by the request)
+        landed.set()
+        s.close()
+
+
+def test_a_lookup_given_up_on_is_no_measure_of_the_networks_pace():
+    """Lookups no request waits for any more (a consumer's deadline passed, the network was
+    presumed stalled) that answer late do not raise the bar for the next stall: the fifth stalled
+    hand-off in a row was not seen as one, and the request beside it waited out its whole lookup
+    deadline. Lookups answered slowly while waited for still do (a slow network is not stalled)."""
+    import threading
+
+    from lmkv.engine.lookups import STALL_S, AsyncLookups
+
+    lookups = AsyncLookups(timeout=5)
+    try:
+        for i in range(3):  # a quick network
+            assert lookups.result(f"q{i}", 0, lambda: 0) == 0
+        stop = threading.Event()
+        for i in range(8):  # then stalled lookups, given up on, answering late
+            assert lookups.result(f"s{i}", 0, lambda: stop.wait(5)) is NOT_YET
+            lookups.forget(f"s{i}")
+        time.sleep(0.2)
+        stop.set()
+        time.sleep(0.05)
+        hang = threading.Event()
+        assert lookups.result("next", 0, lambda: hang.wait(5)) is NOT_YET
+        time.sleep(STALL_S * 2)
+        assert lookups.stalled()  # (with the late answers counted: only past 8 x 0.2 s)
+        hang.set()
+
+        slow = AsyncLookups(timeout=5)  # a slow network: every lookup answered, while waited for, in 0.1 s
+        for i in range(5):
+            while slow.result(f"q{i}", 0, lambda: time.sleep(0.1)) is NOT_YET:
+                time.sleep(0.005)
+        hang.clear()
+        assert slow.result("next", 0, lambda: hang.wait(5)) is NOT_YET
+        time.sleep(STALL_S * 3)
+        assert not slow.stalled()
+        hang.set()
+        slow.close()
+    finally:
+        lookups.close()
+
+
 def test_a_stalled_network_tier_never_stalls_the_scheduler(model_config, silent_listener):
     """A tier that accepts and never answers: a waiting request's lookup is "not yet", then (the
     tier presumed stalled) it asks local tiers only and runs; meanwhile a running request goes on

@@ -10,7 +10,8 @@ that has not answered by its deadline (``remote.lookup_timeout``) is a miss: the
 and computes its prefix. Its thread is left to finish (a tier's own timeout bounds it).
 
 A lookup still unanswered after :data:`STALL_S`, or after several times what lookups have
-lately taken on a slower network, means the network is stalled: until the lookups in flight
+lately taken on a slower network (lookups answered while a request still waited for them: one
+given up on was a stall, not the network's pace), means the network is stalled: until the lookups in flight
 have answered, a request asks only the tiers in this process (its ``fallback``) and runs at
 once, so a stalled tier delays each request by a moment, not by ``remote.lookup_timeout`` each
 in turn. A request that waits for pages it was promised (a P/D consumer's) keeps asking, within
@@ -77,6 +78,7 @@ class AsyncLookups:
         self._pool = threads.pool(THREADS, "lmkv-lookup")
         self._pending: dict[str, _Pending] = {}
         self._in_flight: dict[Future, float] = {}  # every lookup still running (abandoned ones too): since when
+        self._abandoned: set[Future] = set()  # lookups still running that no request waits for
         self._took: deque[float] = deque(maxlen=RECENT)  # recent answered lookups' durations
         self._lock = threading.Lock()
 
@@ -87,17 +89,18 @@ class AsyncLookups:
         a ``fallback`` (a lookup without the network), its result at once while the network is
         presumed stalled."""
         if fallback is not None and self.stalled():
-            self._pending.pop(req_id, None)
+            self.forget(req_id)
             return fallback()
         p = self._pending.get(req_id)
         if p is None or p.what != what:
+            self.forget(req_id)
             p = self._pending[req_id] = _Pending(self._submit(find), what, time.monotonic() + self.timeout)
         try:
             out = p.future.result(timeout=INLINE_WAIT_S)
         except FutureTimeout:
             if time.monotonic() < p.deadline:
                 return NOT_YET
-            del self._pending[req_id]
+            self.forget(req_id)
             return TIMED_OUT
         del self._pending[req_id]
         return out
@@ -121,23 +124,31 @@ class AsyncLookups:
     def _answered(self, fut: Future) -> None:
         with self._lock:
             started = self._in_flight.pop(fut, None)
-            if started is not None:
+            if started is not None and fut not in self._abandoned:
                 self._took.append(time.monotonic() - started)
+            self._abandoned.discard(fut)
 
     def waiting(self) -> set[str]:
         """Requests whose lookup is still out."""
         return set(self._pending)
 
-    def wait_any(self, timeout: float) -> None:
-        """Block until a request's lookup answers (at once if one has, unread), at most ``timeout``."""
+    def wait_any(self, timeout: float) -> bool:
+        """Block until a request's lookup answers (at once if one has, unread), at most ``timeout``;
+        whether one has."""
         futures = [p.future for p in self._pending.values()]
         if futures:
-            wait(futures, timeout, FIRST_COMPLETED)
-        else:
-            time.sleep(timeout)
+            return bool(wait(futures, timeout, FIRST_COMPLETED).done)
+        time.sleep(timeout)
+        return False
 
     def forget(self, req_id: str) -> None:
-        self._pending.pop(req_id, None)
+        """No request waits for this one's lookup any more (its time, when it answers, is no
+        measure of the network's)."""
+        p = self._pending.pop(req_id, None)
+        if p is not None:
+            with self._lock:
+                if p.future in self._in_flight:
+                    self._abandoned.add(p.future)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
