@@ -471,3 +471,48 @@ def test_a_store_connects_to_a_same_host_server_as_it_opens():
                                     "memory": {"capacity": "16MiB", "pin": "never"}}, environ={}))
     assert time.monotonic() - t0 < 1.0
     down.close()
+
+
+def test_a_read_of_small_pages_into_the_arena_goes_in_chunks_checked_as_the_next_are_copied(layout, monkeypatch):
+    """A read of many small pages into the shared arena is asked for in several chunks (the server
+    copies the next while this one is checked), each page checked and landed whole; one of big
+    pages keeps its chunks of up to ``ARENA_CHUNK_BYTES``."""
+    from lmkv.tiers import server_client
+    from lmkv.tiers.arena import HostArena
+    from lmkv.tiers.base import TierStats
+    from lmkv.tiers.quarantine import Quarantine
+    from lmkv.tiers.server_connection import Connection
+
+    asked: list[int] = []
+    send = Connection.send
+
+    def counting(self, op, meta, *a, **kw):
+        if op is Op.GET:
+            asked.append(len(meta.keys))
+        return send(self, op, meta, *a, **kw)
+
+    monkeypatch.setattr(Connection, "send", counting)
+    srv = Server(load_config({"server": {"port": 0}, "memory": {"capacity": "64MiB"}}, environ={}))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        n = 16
+        size = n * layout.payload_bytes
+        arena = HostArena(size, "never", shared=True)
+        tier = _tier(f"lmkv://127.0.0.1:{srv.port}")
+        tier.share_arena(arena, Quarantine(threading.Lock(), lambda *a: None, size, TierStats()))
+        keys, payloads, pages = make_pages(layout, n)
+        assert tier.put(pages, "w") == [True] * n
+        outs = [arena.buf[i * layout.payload_bytes : (i + 1) * layout.payload_bytes] for i in range(n)]
+        assert tier.get(keys, layout, outs) is not None
+        assert all((o == p).all() for o, p in zip(outs, payloads))
+        assert asked == [n // server_client.ARENA_SPLIT] * server_client.ARENA_SPLIT
+        asked.clear()
+        monkeypatch.setattr(server_client, "ARENA_CHUNK_BYTES", 2 * layout.payload_bytes)  # (pages this big)
+        for o in outs:
+            o[:] = 0
+        assert tier.get(keys, layout, outs) is not None
+        assert all((o == p).all() for o, p in zip(outs, payloads))
+        assert asked == [2] * (n // 2)
+        tier.close()
+    finally:
+        srv.stop()
