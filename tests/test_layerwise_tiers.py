@@ -53,16 +53,18 @@ def below(request, tmp_path):
     return {"memory": {"capacity": "16MiB"}, "namespace": uuid.uuid4().hex, "layerwise_span": 1, **extra}
 
 
-def _filled(cfg: dict) -> list[torch.Tensor]:
-    """KV blocks stored through the worker into ``cfg``'s tiers (write-through reaches the one below)."""
+def _filled(cfg: dict, chain_sets: tuple[list[bytes], ...] = (CHAINS,)) -> list[torch.Tensor]:
+    """KV blocks stored through the worker into ``cfg``'s tiers (write-through reaches the one below),
+    under each set of chains in turn."""
     gen = torch.Generator().manual_seed(7)
     full = [torch.randn(BLOCKS, 2, TOKENS, 128, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
     with TieredStore(load_config(cfg, environ={})) as store:
         w = LayerwiseTransfer(store, [LAYOUT], [full], NAMES)
-        w.begin(StepPlan(stores=[PageOp("r", 0, CHAINS, BLOCK_IDS, list(range(4)))]))
-        for name in NAMES:
-            w.after_layer(name)
-        w.end()
+        for chains in chain_sets:
+            w.begin(StepPlan(stores=[PageOp("r", 0, chains, BLOCK_IDS, list(range(4)))]))
+            for name in NAMES:
+                w.after_layer(name)
+            w.end()
         store.drain()
         w.close()
     return full
@@ -258,17 +260,7 @@ def test_the_span_counts_the_fetchs_time_not_only_the_forwards_waits(tmp_path):
     whole pages once its neighbour was tried (the waits alone walked it down to one layer)."""
     cfg = {"memory": {"capacity": "16MiB"}, "disk": {"path": str(tmp_path / "disk")}}
     sets = [[bytes([16 * k + i + 1]) * 16 for i in range(4)] for k in range(4)]
-    gen = torch.Generator().manual_seed(7)
-    full = [torch.randn(BLOCKS, 2, TOKENS, 128, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
-    with TieredStore(load_config(cfg, environ={})) as store:  # every set on disk (write-through)
-        w = LayerwiseTransfer(store, [LAYOUT], [full], NAMES)
-        for chains in sets:
-            w.begin(StepPlan(stores=[PageOp("r", 0, chains, BLOCK_IDS, list(range(4)))]))
-            for name in NAMES:
-                w.after_layer(name)
-            w.end()
-        store.drain()
-        w.close()
+    full = _filled(cfg, tuple(sets))  # (every set on disk)
     with TieredStore(load_config(cfg, environ={})) as store:  # memory empty: every page is below
         disk, one_at_a_time, spans = store.tiers[1], threading.Lock(), []
         read = disk.get_ranges
