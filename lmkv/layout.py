@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import cast
 
 import xxhash
@@ -95,6 +95,17 @@ class GroupLayout:
             problems.append(f"sliding_window={self.sliding_window} must be >= 1 (or None: the engine picks the pages)")
         if problems:
             raise ValueError(f"group {self.name!r}: " + "; ".join(problems))
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        # (of the fields' text, not of the fields: a layout pickled to another process carries this
+        # with it, and a string's hash differs between processes)
+        return xxhash.xxh3_64_intdigest(repr(tuple(getattr(self, f.name) for f in fields(self))).encode())
+
+    def __hash__(self) -> int:
+        """Worked out once: a layout keys the caches of every read's plan, and hashing its fields
+        anew cost more than the lookups it keyed."""
+        return self._hash
 
     @functools.cached_property
     def layer_stride(self) -> int:

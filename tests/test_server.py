@@ -191,6 +191,29 @@ def test_bad_requests_get_errors_and_the_connection_goes_on(server, layout):
     s.close()
 
 
+def test_requests_sent_in_one_write_are_each_answered_in_order(server, layout):
+    """The server reads whatever has arrived in one call: a PUT's bulk and the requests after it
+    may share its buffer with the request before, and each is still answered, in order."""
+    keys, payloads, pages = make_pages(layout, 2)
+    put = frame(Op.PUT, encode({"headers": [h.pack() for h, _ in pages], "domain": "engine"}),
+                2 * layout.payload_bytes) + b"".join(p.tobytes() for p in payloads)
+    msg = LayoutMsg.of(layout)
+    s = _raw(server.port)
+    s.sendall(_hello())
+    assert _reply(s)[0] == 0
+    s.sendall(put + frame(Op.EXISTS, encode({"keys": keys})) + frame(Op.GET, encode(Get([keys[1]], msg)))
+              + frame(Op.PING, encode({})))
+    assert _reply(s) == (0, encode({"stored": [True, True]}))
+    assert _reply(s) == (0, encode({"present": [True, True]}))
+    status, meta = _reply(s)
+    got = bytearray()
+    while len(got) < layout.payload_bytes:
+        got += s.recv(layout.payload_bytes - len(got))
+    assert status == 0 and bytes(got) == payloads[1].tobytes()
+    assert _reply(s)[0] == 0
+    s.close()
+
+
 def test_token_required_off_loopback_and_checked(layout, monkeypatch):
     with pytest.raises(ConfigError, match="token"):
         Server(load_config({"server": {"host": "0.0.0.0", "port": 0}}, environ={}))

@@ -41,6 +41,7 @@ from lmkv.serve.arenas import ArenaId, Arenas
 from lmkv.serve.tenants import Counters, Tenant, Tenants
 from lmkv.store import StoreSession, TieredStore
 from lmkv.wire import shm_window
+from lmkv.wire.socket_reader import SocketReader
 from lmkv.wire.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
@@ -57,11 +58,10 @@ from lmkv.wire.protocol import (
     Stats,
     Stored,
     decode_request,
-    discard,
     encode,
     frame,
+    next_frame,
     read_frame,
-    recv_exact,
     send_buffers,
 )
 
@@ -154,6 +154,9 @@ class Client:
         self._puts: dict[int, OpenPut] = {}  # put sessions open on this connection, by number
         self._put_numbers = itertools.count(1)
         self._revoked = False
+        #: requests after HELLO come through a buffer (HELLO itself is read exactly: the descriptors
+        #: a Unix-socket client passes after it must not be read as plain bytes)
+        self._reader = SocketReader(sock, ProtocolError)
 
     def revoke(self) -> None:
         """From another thread: no copy into or out of the client's shared memory starts after this
@@ -214,7 +217,10 @@ class Client:
         try:
             while not self.server.stopping.is_set():
                 try:
-                    op, meta, bulk = read_frame(self.sock, max_bulk)
+                    if self.tenant is None:
+                        op, meta, bulk = read_frame(self.sock, max_bulk)
+                    else:
+                        op, meta, bulk = next_frame(self._reader, max_bulk)
                 except PeerClosed:
                     return  # the client hung up between requests
                 except (ProtocolError, OSError) as e:
@@ -233,7 +239,7 @@ class Client:
                     self.handle(known, req, bulk, store)
                 except (Refused, ValueError) as e:  # refused before its bulk was read: drop the bulk
                     if bulk:
-                        discard(self.sock, bulk)
+                        self._reader.skip(bulk)
                     self.error(str(e))
                     if isinstance(e, Fatal):
                         return
@@ -457,7 +463,7 @@ class Client:
         try:
             session = store.open_session([h.key for h in inner], lays, domain)
         except TierFullError:
-            discard(self.sock, bulk)
+            self._reader.skip(bulk)
             self.counters.refused += len(headers)
             self.reply(Stored([False] * len(headers)))
             return
@@ -472,7 +478,7 @@ class Client:
                         session.buffer(i)[:] = mem[offsets[i] : offsets[i] + h.payload_len]
             else:
                 for i in range(len(headers)):
-                    recv_exact(self.sock, memoryview(session.buffer(i)), deadline)
+                    self._reader.into(memoryview(session.buffer(i)), deadline)
             stored = session.commit(inner)
         self._arm_timeout()
         self._count_stored(headers, stored)
@@ -545,7 +551,7 @@ class Client:
                 raise Refused(f"bulk of {bulk} bytes; the range describes {size * len(req.pages)}")
             deadline = time.monotonic() + self.server.cfg.server.payload_timeout
             for i in req.pages:
-                recv_exact(self.sock, memoryview(put.session.buffer(i)[start:end]), deadline)
+                self._reader.into(memoryview(put.session.buffer(i)[start:end]), deadline)
             self._arm_timeout()
         else:
             mem = self.arena

@@ -40,6 +40,7 @@ class _Entry:
     header: PageHeader
     domains: int
     account: str
+    policy: EvictionPolicy  # (its size class's and account's: looked up once, not on every read)
     pins: int = 0
     deleted: bool = False
 
@@ -228,7 +229,7 @@ class MemoryTier(LocalTier):
                 else:
                     e.pins += 1
                     if count:
-                        self._policy(e.header.payload_len, e.account).touch(k)
+                        e.policy.touch(k)
                         self.stats.hits += 1
                 out.append(e)
             return out
@@ -240,8 +241,9 @@ class MemoryTier(LocalTier):
             twin.domains = self._domains.add(twin.domains, domain)
             self._release_slot(offset, header.payload_len, account)
             return True
-        self._index[header.key] = _Entry(offset, header, self._domains.add(0, domain), account)
-        self._policy(header.payload_len, account).insert(header.key)
+        policy = self._policy(header.payload_len, account)
+        self._index[header.key] = _Entry(offset, header, self._domains.add(0, domain), account, policy)
+        policy.insert(header.key)
         self.notes.gained()
         if self.listener is not None:
             self.listener.added(header.key)
@@ -250,7 +252,7 @@ class MemoryTier(LocalTier):
 
     def _drop(self, e: _Entry) -> None:
         """Under the lock: forget a page already removed from the index."""
-        self._policy(e.header.payload_len, e.account).remove(e.header.key)
+        e.policy.remove(e.header.key)
         self._domains.release(e.domains)
         self.notes.lost(e.header.key)
         if self.listener is not None:
@@ -359,7 +361,7 @@ class MemoryTier(LocalTier):
                 e = self._index.get(header.key)
                 if e is not None:
                     e.domains = self._domains.add(e.domains, domain)
-                    self._policy(header.payload_len, e.account).touch(header.key)
+                    e.policy.touch(header.key)
                     results.append(True)
                     continue
             src = np.frombuffer(as_bytes_view(payload), np.uint8)

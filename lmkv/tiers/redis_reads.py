@@ -26,6 +26,8 @@ from typing import Any
 
 from redis import exceptions as rexc
 
+from lmkv.wire.socket_reader import SocketReader
+
 #: bytes a header line is read with: the line, and then some of the next payload, copied once more
 LINE_READ = 4096
 #: chunks of commands sent before the replies of the one being read
@@ -33,53 +35,15 @@ AHEAD = 1
 
 
 class _Replies:
-    """RESP2 replies from a socket, lines through a small buffer, bulk bodies into the caller's memory."""
+    """RESP2 replies from a socket: lines through a small buffer, bulk bodies into the caller's memory."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._buf = bytearray(LINE_READ)
-        self._view = memoryview(self._buf)
-        self._at = self._end = 0  # unread bytes: self._buf[_at:_end]
-
-    def _fill(self) -> None:
-        if self._at == self._end:
-            self._at = self._end = 0
-        elif self._end == len(self._buf):  # (a line longer than the buffer: keep it, grow)
-            self._buf[: self._end - self._at] = self._buf[self._at : self._end]
-            self._end -= self._at
-            self._at = 0
-            if self._end == len(self._buf):
-                self._buf.extend(bytes(len(self._buf)))
-                self._view = memoryview(self._buf)
-        n = self._sock.recv_into(self._view[self._end :])
-        if n == 0:
-            raise rexc.ConnectionError("Redis closed the connection mid-reply")
-        self._end += n
-
-    def line(self) -> bytes:
-        while True:
-            i = self._buf.find(b"\r\n", self._at, self._end)
-            if i >= 0:
-                out = bytes(self._buf[self._at : i])
-                self._at = i + 2
-                return out
-            self._fill()
-
-    def into(self, dst: memoryview) -> None:
-        """Exactly ``len(dst)`` bytes: what is buffered, then straight from the socket."""
-        k = min(self._end - self._at, len(dst))
-        dst[:k] = self._view[self._at : self._at + k]
-        self._at += k
-        while k < len(dst):
-            n = self._sock.recv_into(dst[k:])
-            if n == 0:
-                raise rexc.ConnectionError("Redis closed the connection mid-reply")
-            k += n
+        self._in = SocketReader(sock, rexc.ConnectionError, LINE_READ)
 
     def reply(self, sink: memoryview | None) -> Any:
         """One reply: ``None`` (nil), a ``ResponseError``, the value's length where it went into
         ``sink`` (or was skipped: not ``len(sink)`` bytes long), else the value as ``bytes``."""
-        head = self.line()
+        head = self._in.line()
         kind, rest = head[:1], head[1:]
         if kind == b"-":
             return rexc.ResponseError(rest.decode(errors="replace"))
@@ -95,7 +59,7 @@ class _Replies:
         if sink is None:
             return self._body(n)
         if n == len(sink):
-            self.into(sink)
+            self._in.into(sink)
             self._crlf()
         else:
             self._body(n)  # (read aside: the buffer is left as it was)
@@ -103,17 +67,13 @@ class _Replies:
 
     def _body(self, n: int) -> bytes:
         """A bulk body of ``n`` bytes and its CRLF, as ``bytes``."""
-        body = bytearray(n)
-        self.into(memoryview(body))
+        body = self._in.take(n)
         self._crlf()
-        return bytes(body)
+        return body
 
     def _crlf(self) -> None:
-        while self._end - self._at < 2:
-            self._fill()
-        if self._buf[self._at : self._at + 2] != b"\r\n":
+        if self._in.take(2) != b"\r\n":
             raise rexc.InvalidResponse("a bulk reply not ended by CRLF")
-        self._at += 2
 
 
 def read_pipelined(pool, chunks: Sequence[Sequence[tuple]],

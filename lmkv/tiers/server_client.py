@@ -49,6 +49,7 @@ from lmkv.tiers.remote import Checked, RemoteTier, batches
 from lmkv.tiers.server_connection import Connection, UnixEndpoint
 from lmkv.tiers.server_puts import server_session
 from lmkv.wire import shm_window
+from lmkv.wire.socket_reader import SocketReader
 from lmkv.wire.protocol import (
     MAX_KEYS,
     Clear,
@@ -66,7 +67,6 @@ from lmkv.wire.protocol import (
     Stats,
     Stored,
     is_loopback,
-    recv_exact,
 )
 
 log = logging.getLogger(__name__)
@@ -376,13 +376,13 @@ class ServerTier(RemoteTier):
                     raise ProtocolError(f"GET reply of {len(rep.headers)} pages and {bulk} bytes does not match")
                 results: list = list(rep.headers)
                 for j in found:
-                    src = c.window[j * layout.payload_bytes :] if staged else c.sock
+                    src = c.window[j * layout.payload_bytes :] if staged else c.reader
                     results[j] = self._land(keys[i + j], rep.headers[j], layout, dsts[j], chunks, src)
                 out += results
         return out
 
     def _land(self, key: PageKey, raw: bytes, layout: GroupLayout, dst: memoryview,
-              chunks: Sequence[Chunk], src: socket.socket | np.ndarray) -> bytes | Checked:
+              chunks: Sequence[Chunk], src: SocketReader | np.ndarray) -> bytes | Checked:
         """One page's bytes into ``dst`` from the socket or the staging window (``src``, at the page's
         offsets), chunk by chunk (:func:`~lmkv.page.landing_chunks`), each chunk's units verified as
         soon as it lands, still in cache (with 2 cores, a second thread verifying whole pages
@@ -398,8 +398,8 @@ class ServerTier(RemoteTier):
                 pass
         ok = header is not None
         for start, end, units in chunks:
-            if isinstance(src, socket.socket):
-                recv_exact(src, dst[start:end])
+            if isinstance(src, SocketReader):
+                src.into(dst[start:end])
             else:
                 np.copyto(np.frombuffer(dst[start:end], np.uint8), src[start:end])
             if ok and header is not None:

@@ -22,6 +22,7 @@ import numpy as np
 from lmkv.config import RemoteConfig
 from lmkv.page import as_bytes_view
 from lmkv.wire import shm_window
+from lmkv.wire.socket_reader import SocketReader
 from lmkv.wire.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -33,7 +34,7 @@ from lmkv.wire.protocol import (
     decode_reply,
     encode,
     frame,
-    read_frame,
+    next_frame,
     send_buffers,
 )
 
@@ -69,6 +70,7 @@ class Connection:
         sock = open_socket(cfg, host, port, tls, unix)
         try:
             self.sock = sock
+            self.reader = SocketReader(sock, ProtocolError)  # (replies: the server sends no descriptors)
             self.max_bulk = 1 << 20
             shared: list[shm_window.Window] = []
             if unix is not None:
@@ -120,7 +122,7 @@ class Connection:
 
     def reply(self, typ: type):
         """(reply, bulk length left on the socket); an error reply raises RemoteError."""
-        status, meta, bulk = read_frame(self.sock, self.max_bulk)
+        status, meta, bulk = next_frame(self.reader, self.max_bulk)
         self._unanswered.popleft()  # (the server answers in order, after its copies)
         if status != 0:
             raise RemoteError(decode_reply(meta, ErrorReply).error)

@@ -37,6 +37,7 @@ import msgspec
 from lmkv.errors import LMKVError
 from lmkv.layout import GroupLayout, Growth, Segment, StateKind
 from lmkv.page import MAX_UNITS, as_bytes_view
+from lmkv.wire.socket_reader import SocketReader
 
 MAGIC = b"LKV1"
 FRAME = struct.Struct("<4sB3xIQ")
@@ -356,26 +357,34 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
         got += k
 
 
-def read_frame(sock: socket.socket, max_bulk: int) -> tuple[int, bytes, int]:
-    """One frame's (op or status, metadata, bulk length); the bulk is left on the socket."""
-    head = bytearray(FRAME_BYTES)
-    recv_exact(sock, memoryview(head))
-    magic, op, meta_len, bulk_len = FRAME.unpack(head)
+def _check_frame(magic: bytes, meta_len: int, bulk_len: int, max_bulk: int) -> None:
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {bytes(magic)!r}: not an lmkv peer")
     if meta_len > MAX_META:
         raise ProtocolError(f"metadata of {meta_len} bytes exceeds {MAX_META}")
     if bulk_len > max_bulk:
         raise ProtocolError(f"bulk of {bulk_len} bytes exceeds {max_bulk}")
+
+
+def read_frame(sock: socket.socket, max_bulk: int) -> tuple[int, bytes, int]:
+    """One frame's (op or status, metadata, bulk length); the bulk is left on the socket."""
+    head = bytearray(FRAME_BYTES)
+    recv_exact(sock, memoryview(head))
+    magic, op, meta_len, bulk_len = FRAME.unpack(head)
+    _check_frame(magic, meta_len, bulk_len, max_bulk)
     meta = bytearray(meta_len)
     recv_exact(sock, memoryview(meta))
     return op, bytes(meta), bulk_len
 
 
-def discard(sock: socket.socket, nbytes: int) -> None:
-    """Read and drop ``nbytes`` (the bulk of a request that was refused), keeping the stream in step."""
-    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
-    while nbytes:
-        k = min(nbytes, len(scratch))
-        recv_exact(sock, scratch[:k])
-        nbytes -= k
+def next_frame(reader: SocketReader, max_bulk: int) -> tuple[int, bytes, int]:
+    """:func:`read_frame` through a reader: a frame's head and metadata (often with the first
+    bytes of its bulk) in one system call."""
+    if not reader.unread:
+        try:
+            reader.fill()
+        except ProtocolError:
+            raise PeerClosed("connection closed between frames") from None
+    magic, op, meta_len, bulk_len = FRAME.unpack(reader.take(FRAME_BYTES))
+    _check_frame(magic, meta_len, bulk_len, max_bulk)
+    return op, reader.take(meta_len), bulk_len

@@ -18,6 +18,7 @@ straight into the arena slot the engine loads from.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -124,13 +125,31 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+def _address(buf) -> int | None:
+    """Where a contiguous buffer's first byte is; None for one that is not contiguous or is empty.
+    (``ctypes`` reads a writable buffer's address in a fifth of the time numpy's array interface
+    takes: a read of 64 pages asked it 64 times.)"""
+    try:
+        return ctypes.addressof(_first_byte(buf))
+    except (TypeError, ValueError):  # read-only, or not contiguous, or empty
+        if not isinstance(buf, np.ndarray):
+            buf = np.frombuffer(buf, np.uint8)
+        return buf.__array_interface__["data"][0] if buf.flags.c_contiguous and buf.nbytes else None
+
+
+_first_byte = ctypes.c_char.from_buffer
+
+
 def offsets_in(window: np.ndarray, bufs) -> list[int | None]:
     """Where each contiguous buffer starts inside ``window``, or None for one not wholly inside it."""
     base = window.__array_interface__["data"][0]
     out: list[int | None] = []
-    for arr in bufs:
-        if not isinstance(arr, np.ndarray):
-            arr = np.frombuffer(arr, np.uint8)
-        off = arr.__array_interface__["data"][0] - base if arr.flags.c_contiguous else -1
-        out.append(off if 0 <= off and off + arr.nbytes <= window.nbytes else None)
+    for buf in bufs:
+        at = _address(buf)
+        if at is None:
+            out.append(None)
+            continue
+        off = at - base
+        nbytes = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
+        out.append(off if 0 <= off and off + nbytes <= window.nbytes else None)
     return out
