@@ -41,7 +41,6 @@ from lmkv.serve.arenas import ArenaId, Arenas
 from lmkv.serve.tenants import Counters, Tenant, Tenants
 from lmkv.store import StoreSession, TieredStore
 from lmkv.wire import shm_window
-from lmkv.wire.socket_reader import SocketReader
 from lmkv.wire.protocol import (
     MAX_KEYS,
     PROTOCOL_VERSION,
@@ -64,6 +63,7 @@ from lmkv.wire.protocol import (
     read_frame,
     send_buffers,
 )
+from lmkv.wire.socket_reader import SocketReader
 
 log = logging.getLogger(__name__)
 

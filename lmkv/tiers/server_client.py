@@ -49,7 +49,6 @@ from lmkv.tiers.remote import Checked, RemoteTier, batches
 from lmkv.tiers.server_connection import Connection, UnixEndpoint
 from lmkv.tiers.server_puts import server_session
 from lmkv.wire import shm_window
-from lmkv.wire.socket_reader import SocketReader
 from lmkv.wire.protocol import (
     MAX_KEYS,
     Clear,
@@ -68,6 +67,7 @@ from lmkv.wire.protocol import (
     Stored,
     is_loopback,
 )
+from lmkv.wire.socket_reader import SocketReader
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import numpy as np
 from lmkv.config import RemoteConfig
 from lmkv.page import as_bytes_view
 from lmkv.wire import shm_window
-from lmkv.wire.socket_reader import SocketReader
 from lmkv.wire.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -37,6 +36,7 @@ from lmkv.wire.protocol import (
     next_frame,
     send_buffers,
 )
+from lmkv.wire.socket_reader import SocketReader
 
 
 @dataclass(frozen=True)
