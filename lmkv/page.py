@@ -93,6 +93,24 @@ def header_bytes(layout: GroupLayout) -> int:
     return FIXED_BYTES + 8 * num_units(layout)
 
 
+def _made(key: bytes, layout_fp: int, payload_len: int, digests: bytes, checksum: int) -> PageHeader:
+    """``PageHeader(...)`` for a header already checked, at half the cost: the frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``, and a header is made for every
+    page read."""
+    h = _new(PageHeader)
+    _set_key(h, key)
+    _set_fp(h, layout_fp)
+    _set_len(h, payload_len)
+    _set_digests(h, digests)
+    _set_checksum(h, checksum)
+    return h
+
+
+_new = object.__new__
+_set_key, _set_fp, _set_len, _set_digests, _set_checksum = (
+    PageHeader.__dict__[f].__set__ for f in ("key", "layout_fp", "payload_len", "digests", "checksum"))
+
+
 def disk_header_bytes(layout: GroupLayout) -> int:
     """A page header of this layout as stored on disk (padded to ALIGN)."""
     return padded(FIXED_BYTES + 8 * num_units(layout))
@@ -162,8 +180,8 @@ def packed_as(header: PageHeader, key: bytes) -> bytes:
 def rekey(header: PageHeader, key: PageKey) -> PageHeader:
     """The same page under another key (the server's namespace-qualified key and back):
     only the header checksum is recomputed, the payload digests stay."""
-    return PageHeader(key, header.layout_fp, header.payload_len, header.digests,
-                      _header_checksum(key, header.layout_fp, header.payload_len, header.digests))
+    return _made(key, header.layout_fp, header.payload_len, header.digests,
+                 _header_checksum(key, header.layout_fp, header.payload_len, header.digests))
 
 
 def unpack_header(buf, expect_key: PageKey | None = None, layout: GroupLayout | None = None) -> PageHeader:
@@ -172,7 +190,7 @@ def unpack_header(buf, expect_key: PageKey | None = None, layout: GroupLayout | 
     Raises:
         PageFormatError: not an lmkv page of this version, or not of ``expect_key`` / ``layout``.
     """
-    view = as_bytes_view(buf)
+    view = buf if type(buf) is bytes else as_bytes_view(buf)
     if len(view) < FIXED_BYTES:
         raise ShortReadError(f"page header needs {FIXED_BYTES} bytes, got {len(view)}")
     magic, version, _flags, header_bytes, n_units, fp, plen, checksum, key, _ = _FIXED.unpack_from(view)
@@ -196,7 +214,7 @@ def unpack_header(buf, expect_key: PageKey | None = None, layout: GroupLayout | 
             )
         if plen != layout.payload_bytes or n_units != num_units(layout):
             raise PageFormatError(f"page size {plen} does not match group {layout.name!r}")
-    return PageHeader(PageKey(key), fp, plen, digests, checksum)
+    return _made(key, fp, plen, digests, checksum)
 
 
 def verify_payload(header: PageHeader, layout: GroupLayout, payload) -> None:
@@ -216,21 +234,26 @@ def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterab
         ChecksumError: a unit does not match its digest.
         ShortReadError: the payload is shorter than the header says.
     """
-    view = as_bytes_view(payload)
+    view = payload if type(payload) is memoryview and payload.format == "B" else as_bytes_view(payload)
     if len(view) < header.payload_len:
         raise ShortReadError(f"payload has {len(view)} bytes, header says {header.payload_len}")
-    if not isinstance(units, (range, list, tuple)):
-        units = list(units)
-    got = _digests(layout, view, units)
-    # A run of units (every GET's and every landing chunk's case: a ``range``) is one comparison.
-    if isinstance(units, (list, tuple)) and units and list(units) == list(range(units[0], units[0] + len(units))):
-        units = range(units[0], units[0] + len(units))
-    if isinstance(units, range) and units.step == 1 and len(units):
-        if struct.pack(f"<{len(got)}Q", *got) == header.digests[8 * units.start : 8 * units.stop]:
+    if type(units) is range and units.step == 1:  # (every GET's and every landing chunk's case)
+        # a run of units is one comparison of packed digests
+        got = _digests(layout, view, units)
+        if _packed_digests(len(got)).pack(*got) == header.digests[8 * units.start : 8 * units.stop]:
             return
+    else:
+        units = list(units)
+        got = _digests(layout, view, units)
     for u, d in zip(units, got):
         if d != header.unit_digest(u):
             raise _mismatch(header, layout, u)
+
+
+@functools.cache
+def _packed_digests(n: int) -> struct.Struct:
+    """How ``n`` unit digests are packed in a header (a unit count is bounded by MAX_UNITS)."""
+    return struct.Struct(f"<{n}Q")
 
 
 def _mismatch(header: PageHeader, layout: GroupLayout, unit: int) -> ChecksumError:

@@ -366,3 +366,13 @@ def test_metrics_stay_on_loopback_and_can_require_the_token(tmp_path):
         if not other.startswith("127."):  # not on this host's other addresses, where the data port is
             with socket.socket() as probe:
                 assert probe.connect_ex((other, mport)) != 0
+
+
+def test_only_buffers_wholly_inside_the_shared_arena_are_lent_by_offset():
+    """What a client names by offset the server writes into: a buffer outside the arena, not
+    contiguous, or empty is never lent (its bytes go through the socket instead)."""
+    arena = np.zeros(1 << 16, np.uint8)
+    other = np.zeros(64, np.uint8)
+    bufs = [arena[4096:8192], memoryview(arena)[100:200], memoryview(arena[8:16]).toreadonly(), arena[-10:],
+            other, arena[::2][:10], arena[:0], bytes(10), bytearray(5)]
+    assert shm_window.offsets_in(arena, bufs) == [4096, 100, 8, (1 << 16) - 10, None, None, None, None, None]

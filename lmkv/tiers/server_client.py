@@ -121,7 +121,6 @@ class ServerTier(RemoteTier):
         self._arena_whole = False  # the arena is mapped whole: the server maps its view whole too
         self._quarantine: Quarantine | None = None  # where slots lent to an abandoned request wait
         self._unix: UnixEndpoint | None = None  # learned from a TCP HELLO; forgotten when it fails
-        self._verifier = threads.pool(1, f"lmkv-{name}-verify")
         self._streamer = threads.pool(remote.STREAMS_OPEN, f"lmkv-{name}-stream")  # (a thread a stream)
         self._closing = threading.Event()
 
@@ -305,20 +304,16 @@ class ServerTier(RemoteTier):
         :func:`~lmkv.tiers.quarantine.lendable`)."""
         return lendable(self._arena.buf, self._quarantine, bufs) if c.arena and self._arena is not None else None
 
-    def _verified_chunk(self, pages: list[tuple[PageKey, bytes | None, object]], layout: GroupLayout,
-                        units: Sequence[int]) -> list:
-        """:meth:`_verified` for each page of one chunk's reply (``None``: not found)."""
-        return [None if raw is None else self._verified(key, raw, layout, out, units) for key, raw, out in pages]
-
     def _read_into_arena(self, c: Connection, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
                          msg: LayoutMsg, wire_ranges: list[tuple[int, int]] | None, dst: list[int],
                          units: Sequence[int], per_page: int) -> list:
         """Pages the server copies straight into the caller's arena slots, asked for in chunks with
         the next :data:`ARENA_AHEAD` chunks' requests already sent: the server copies the next
-        chunks while the verifier thread checks chunk k where it landed (one after the other, the
-        check would add its whole time to the copy's; with one request ahead, the server still
-        waited whenever the verifier held the client's GIL as the next request was due: 0.74x a
-        memcpy here, 0.79-0.83x with three)."""
+        chunks while this thread checks chunk k where it landed (one after the other, the check
+        would add its whole time to the copy's). The check runs here, not on a thread of its own:
+        on two cores, with the server copying on one, a verifier thread waited for a core up to
+        half a millisecond after it was handed each chunk, and the requests ahead keep the server
+        busy meanwhile anyway."""
         step = max(1, min(MAX_KEYS, ARENA_CHUNK_BYTES // max(1, per_page), -(-len(keys) // ARENA_SPLIT)))
         starts = list(range(0, len(keys), step))
 
@@ -343,14 +338,12 @@ class ServerTier(RemoteTier):
                 raise
             if bulk:
                 raise ProtocolError(f"unexpected {bulk}-byte bulk in a GET reply")
-            pages = [(keys[i + j], h, outs[i + j]) for j, h in enumerate(rep.headers)]
             if not self.verifies:
-                results.append(list(rep.headers))
-            elif sent > k + 1:  # the server copies the next chunk meanwhile: check this one beside it
-                results.append(self._verifier.submit(self._verified_chunk, pages, layout, units))
-            else:  # (the last chunk: nothing to overlap with, and a hand-off costs more than small pages' check)
-                results.append(self._verified_chunk(pages, layout, units))
-        return [x for r in results for x in (r.result() if isinstance(r, Future) else r)]
+                results += rep.headers
+                continue
+            for j, raw in enumerate(rep.headers):
+                results.append(None if raw is None else self._verified(keys[i + j], raw, layout, outs[i + j], units))
+        return results
 
     def _read(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
               ranges: Sequence[Range] | None) -> list:
@@ -469,7 +462,6 @@ class ServerTier(RemoteTier):
     def close(self) -> None:
         super().close()
         self._closing.set()
-        self._verifier.shutdown(wait=False)
         self._streamer.shutdown(wait=False)  # (a stream still waiting for its step gives up on its own)
         with self._lock:
             idle, self._idle = self._idle, []
