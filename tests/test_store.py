@@ -115,7 +115,7 @@ async def test_async_api(tmp_path, layout):
 @pytest.mark.asyncio
 async def test_async_api_over_the_server_from_many_coroutines(layout):
     """The store's async calls run on its I/O threads: coroutines sharing one store over an lmkv
-    server (its client pool, its verifier) all get their own pages back, and the event loop is
+    server (its client pool) all get their own pages back, and the event loop is
     never blocked by a transfer (a ticker keeps running meanwhile)."""
     from lmkv.dev.server_process import spawn
 
