@@ -127,7 +127,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 def _address(buf) -> int | None:
     """Where a contiguous buffer's first byte is; None for one that is not contiguous or is empty.
-    (``ctypes`` reads a writable buffer's address in a fifth of the time numpy's array interface
+    (``ctypes`` reads a writable buffer's address in a third to a half of the time numpy's array interface
     takes: a read of 64 pages asked it 64 times.)"""
     try:
         return ctypes.addressof(_first_byte(buf))
