@@ -72,3 +72,19 @@ def test_chunks_go_ahead_of_their_replies_and_a_reader_that_stops_early_drops_th
     assert all(c._sock is None for c in client.connection_pool._available_connections)
     got = list(read_pipelined(client.connection_pool, chunks, [memoryview(b) for b in bufs]))
     assert got == [1 << 20] * 6 and [bytes(b) for b in bufs] == values
+
+
+def test_a_reader_that_takes_every_reply_and_closes_keeps_its_connection(redis_node):
+    """The tier takes exactly its replies and closes the generator there: the connection is in step
+    and goes back to the pool open (dropped, every read paid a new connection and its handshake)."""
+    client = redis.Redis.from_url(redis_node.url)
+    tag = f"keep-{time.monotonic_ns()}"
+    client.set(f"{tag}:a", b"x" * 100)
+    sock = None
+    for _ in range(3):
+        replies = read_pipelined(client.connection_pool, [[("GET", f"{tag}:a")]], [None])
+        assert next(replies) == b"x" * 100
+        replies.close()
+        (conn,) = client.connection_pool._available_connections
+        assert conn._sock is not None and (sock is None or conn._sock is sock)
+        sock = conn._sock

@@ -96,9 +96,12 @@ def read_pipelined(pool, chunks: Sequence[Sequence[tuple]],
             if replies is None:  # (redis-py's parser has nothing buffered: its reply reads no more)
                 replies = _Replies(conn._sock)
             for _ in chunk:
-                yield replies.reply(sinks[at])
+                reply = replies.reply(sinks[at])
                 at += 1
-        complete = True
+                # (in step once the last reply is read: a caller takes exactly its replies and closes
+                # the generator there, and a connection dropped then was reconnected on every read)
+                complete = at == len(sinks)
+                yield reply
     except TimeoutError as err:  # (the socket's timeout: redis-py sets it to remote.timeout)
         raise rexc.TimeoutError(f"Redis did not answer in {conn.socket_timeout} s") from err
     except OSError as err:
