@@ -26,6 +26,7 @@ def test_frames_and_bulks_in_any_pieces_come_out_whole_and_in_order():
     reader = SocketReader(b, ProtocolError, size=16)  # (smaller than one frame: it grows to hold it)
     op, meta, bulk = next_frame(reader, 1 << 20)
     assert (op, meta, bulk) == (4, encode({"n": 1}), len(first))
+    assert len(reader._buf) > 16
     got = bytearray(bulk)
     reader.into(memoryview(got))
     assert bytes(got) == first
@@ -33,6 +34,8 @@ def test_frames_and_bulks_in_any_pieces_come_out_whole_and_in_order():
     assert (op, meta) == (8, encode({"n": 2}))
     reader.skip(bulk)
     sender.join()
+    a.sendall(b"z")
+    assert reader.take(1) == b"z" and len(reader._buf) == 16  # (emptied: back to its first size)
     a.close()
     with pytest.raises(PeerClosed):
         next_frame(reader, 1 << 20)

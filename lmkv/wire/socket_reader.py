@@ -26,6 +26,7 @@ class SocketReader:
     def __init__(self, sock: socket.socket, closed: type[Exception], size: int = BUFFER_BYTES) -> None:
         self.sock = sock
         self._closed = closed
+        self._size = size
         self._buf = bytearray(size)
         self._view = memoryview(self._buf)
         self._at = self._end = 0  # unread bytes: self._buf[_at:_end]
@@ -47,9 +48,14 @@ class SocketReader:
         return n
 
     def fill(self, deadline: float | None = None) -> None:
-        """One ``recv`` more into the buffer (moved to its start, or grown, when it is full)."""
+        """One ``recv`` more into the buffer (moved to its start, or grown, when it is full; back to
+        its first size once emptied, so that one large message leaves no large buffer behind)."""
         if self._at == self._end:
             self._at = self._end = 0
+            if len(self._buf) > self._size:
+                self._view.release()
+                self._buf = bytearray(self._size)
+                self._view = memoryview(self._buf)
         elif self._end == len(self._buf):
             self._buf[: self._end - self._at] = self._buf[self._at : self._end]
             self._end -= self._at
