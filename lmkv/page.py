@@ -138,8 +138,9 @@ def _digests(layout: GroupLayout, payload: memoryview, units: Iterable[int]) -> 
 
 
 def as_bytes_view(buf) -> memoryview:
-    """A flat byte view of a buffer (bytes, bytearray, numpy array, memoryview)."""
-    mv = memoryview(buf)
+    """A flat byte view of a buffer (bytes, bytearray, numpy array, memoryview); a flat byte
+    memoryview is its own (every page check asks for one)."""
+    mv = buf if type(buf) is memoryview else memoryview(buf)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
@@ -234,7 +235,7 @@ def verify_units(header: PageHeader, layout: GroupLayout, payload, units: Iterab
         ChecksumError: a unit does not match its digest.
         ShortReadError: the payload is shorter than the header says.
     """
-    view = payload if type(payload) is memoryview and payload.format == "B" else as_bytes_view(payload)
+    view = as_bytes_view(payload)
     if len(view) < header.payload_len:
         raise ShortReadError(f"payload has {len(view)} bytes, header says {header.payload_len}")
     if type(units) is range and units.step == 1:  # (every GET's and every landing chunk's case)

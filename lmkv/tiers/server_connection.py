@@ -117,9 +117,6 @@ class Connection:
         """A request; ``lent``: the arena ranges ``(offset, bytes)`` it names for the server to copy
         into or out of (a GET's ``dst``, a PUT's ``src``)."""
         self._unanswered.append(list(lent))
-        if not bulks:  # (most requests: one buffer, no gathering)
-            self.sock.sendall(frame(op, encode(meta)))
-            return
         views = [as_bytes_view(b) for b in bulks]
         send_buffers(self.sock, [frame(op, encode(meta), sum(len(v) for v in views)), *views])
 

@@ -324,8 +324,9 @@ IOV_BATCH = 512
 
 def send_buffers(sock: socket.socket, buffers: Sequence) -> None:
     """Send ``buffers`` in order in as few system calls as the kernel takes them (``sendmsg``: a
-    reply's frame and its pages in one); over TLS one ``sendall`` each."""
-    if isinstance(sock, ssl.SSLSocket):
+    reply's frame and its pages in one); one buffer (most requests), or over TLS, one ``sendall``
+    each."""
+    if len(buffers) == 1 or isinstance(sock, ssl.SSLSocket):
         for b in buffers:
             sock.sendall(b)
         return
