@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,10 +32,20 @@ class Lookup:
     """Where each page of the hit prefix lives (the tier name), fastest first."""
 
     tiers: tuple[str, ...]
+    #: pages per tier over all of ``tiers``, where the lookup kept count (:func:`find_prefix` adds
+    #: only a step's new pages to its last count)
+    counted: Mapping[str, int] | None = None
 
     @property
     def pages(self) -> int:
         return len(self.tiers)
+
+    def per_tier(self, pages: int) -> dict[str, int]:
+        """How many of the hit's first ``pages`` pages each tier holds (a long prompt's hit has
+        thousands of pages: counting them again every step cost a scheduler step ~0.1 ms)."""
+        if pages >= len(self.tiers) and self.counted is not None:
+            return dict(self.counted)
+        return Counter(self.tiers[:pages])
 
 
 class HasContains(Protocol):
@@ -103,6 +114,7 @@ class PrefixMemo:
     marks: dict[str, Mark]  # each noting tier's counts, taken before it was asked
     ended_by_miss: bool  # the hit ended at a page no tier held (not at the end of what was asked)
     pos: dict[PageKey, int] = field(default_factory=dict)  # key -> page - start, for the hit's first pages
+    counts: Counter[str] = field(default_factory=Counter)  # pages of ``where`` per tier
 
     def position(self, key: PageKey, keys_of: Callable[[int, int], Sequence[PageKey]]) -> int | None:
         """Where ``key`` lies in the hit (relative to ``start``), or None."""
@@ -125,12 +137,14 @@ def find_prefix(keys_of: Callable[[int, int], Sequence[PageKey]], start: int, en
     marks = {t.name: notes.mark() for t in tiers if (notes := getattr(t, "notes", None)) is not None}
     where: list[str] = []
     pos: dict[PageKey, int] = {}
+    counts: Counter[str] = Counter()
     ended = False
     if memo is not None and memo.start <= start:
         shift = start - memo.start
         kept = _still_held(keys_of, memo, tiers)
         where = memo.where[shift : min(kept, end - memo.start)]
         pos = memo.pos if shift == 0 else {}
+        counts = Counter(memo.counts) if shift == 0 and len(where) == len(memo.where) else Counter(where)
         gained = any(t.name not in marks or t.name not in memo.marks
                      or marks[t.name].gained != memo.marks[t.name].gained for t in tiers)
         # nothing can be held past a hit that ended at a miss if no tier lost or gained a page since
@@ -140,10 +154,12 @@ def find_prefix(keys_of: Callable[[int, int], Sequence[PageKey]], start: int, en
         hi = min(end, p + chunk)
         found = locate(keys_of(p, hi), tiers)
         n = next((i for i, w in enumerate(found) if w is None), len(found))
-        where.extend(w for w in found[:n] if w is not None)
+        new = [w for w in found[:n] if w is not None]
+        where += new
+        counts.update(new)
         ended = n < len(found)
         p, chunk = hi, chunk * 4
-    return Lookup(tuple(where)), PrefixMemo(start, where, marks, ended, pos)
+    return Lookup(tuple(where), counts), PrefixMemo(start, where, marks, ended, pos, counts)
 
 
 def find_last(keys_of: Callable[[int, int], Sequence[PageKey]], start: int, end: int,

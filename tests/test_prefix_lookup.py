@@ -1,6 +1,7 @@
 """A request looked up again every step it waits costs what changed since its last lookup."""
 
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -105,6 +106,30 @@ def test_a_page_a_tier_lost_since_the_last_lookup_ends_the_hit_there(store, layo
     assert sched.lookup(st, tokens, 0) == 120 * layout.tokens_per_page
     _put(store, layout, [keys[120]])  # back again: the hit grows past it
     assert sched.lookup(st, tokens, 0) == 300 * layout.tokens_per_page
+
+
+def test_a_repeated_lookup_counts_each_tiers_pages_as_a_fresh_lookup_does(store, layout):
+    """A step adds only its new pages to the last count of pages per tier (what the scheduler
+    weighs a hit's loads by): it must still equal a count from scratch, after growth and losses."""
+    keys = [os.urandom(16) for _ in range(300)]
+    memo = None
+
+    def step() -> Counter:
+        nonlocal memo
+        found, memo = store.find_prefix(lambda a, b: keys[a:b], 0, len(keys), memo)
+        fresh, _ = store.find_prefix(lambda a, b: keys[a:b], 0, len(keys))
+        assert found.tiers == fresh.tiers
+        assert found.per_tier(40) == Counter(fresh.tiers[:40])
+        return Counter(found.per_tier(found.pages))
+
+    assert step() == {}
+    _put(store, layout, keys[:200])  # memory and (write-through) disk
+    assert step() == {"memory": 200}
+    store.memory.delete(keys[:20])  # on the disk alone now
+    assert step() == {"disk": 20, "memory": 180}
+    _put(store, layout, keys[200:250])  # the hit grows: its new pages are added to the last count
+    assert step() == {"disk": 20, "memory": 230}
+    assert step() == {"disk": 20, "memory": 230}
 
 
 def test_the_mirror_of_a_workers_memory_follows_its_deltas(layout):

@@ -369,10 +369,9 @@ class OffloadScheduler:
             if not local:
                 st.memos[g] = memo
             hit = min(hit, found.pages)
-            held = found.tiers[:hit]
-            for tier in dict.fromkeys(held):  # (counted in C: a long prompt's hit has thousands of pages)
+            for tier, pages in found.per_tier(hit).items():
                 if tier != "memory":
-                    below[tier] = below.get(tier, 0) + held.count(tier) * layout.payload_bytes
+                    below[tier] = below.get(tier, 0) + pages * layout.payload_bytes
         hit = self._unquarantined(st.seq.chains, start, start + hit) - start
         for layout in self.groups:
             if hit and layout.growth is Growth.PER_SEQUENCE:
