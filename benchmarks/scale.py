@@ -15,7 +15,9 @@
   baseline: the same at 10k pages.
 - ``server.get.{64KiB,2MiB}.{1,8,64}``: one-page GETs (checksums verified) by 1, 8 and 64 clients
   at once, each with its own connection (threads over a few processes), from one ``lmkv serve``;
-  baseline: a plain threaded socket server sending the same bytes per request, same run.
+  baseline: a plain threaded socket server sending the same bytes per request, same run, the two
+  in turn for a few rounds (medians: on a 2-core host the same measurement varied 1.5x from one
+  window to the next).
 - ``server.shm.get_batch``: a GET of 64 pages of 64 KiB from a server on this host into the
   client's shared arena; baseline: the same GET over TCP.
 - ``server.write_through.4MiB{,.tcp}``: a step's write-through of 32 pages of 4 MiB to the server,
@@ -40,6 +42,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
@@ -273,7 +276,7 @@ def _gets(kind: str, where: str, page: int, clients: int, keys: list[PageKey], s
 
 
 def _server(report: Report, quick: bool) -> None:
-    seconds = 1.5 if quick else 4.0
+    seconds, rounds = (1.5, 1) if quick else (2.0, 3)
     plain = subprocess.Popen([sys.executable, "-c", "from lmkv.benchmarks.server import raw_peer; raw_peer()"],
                              stdout=subprocess.PIPE, text=True)
     try:
@@ -289,8 +292,8 @@ def _server(report: Report, quick: bool) -> None:
                 tier.put([(make_header(k, lay, payload), payload) for k in keys], "bench")
                 tier.close()
                 for clients in (1, 8, 64):
-                    ours = _gets("lmkv", server.url, page, clients, keys, seconds)
-                    base = _gets("plain", port, page, clients, keys, seconds)
+                    ours, base = interleaved(rounds, partial(_gets, "lmkv", server.url, page, clients, keys, seconds),
+                                             partial(_gets, "plain", port, page, clients, keys, seconds))
                     report.add(f"server.get.{label}.{clients}", ours, "GB/s", base, what)
             _batches(report, server.url, 3 if quick else 7)
             _write_through(report, server.url, port, 3 if quick else 7)
