@@ -30,7 +30,6 @@ from lmkv.wire.protocol import (
     Op,
     ProtocolError,
     RemoteError,
-    block_with_timeout,
     decode_reply,
     encode,
     frame,
@@ -159,7 +158,7 @@ def open_socket(cfg: RemoteConfig, host: str, port: int, tls: bool, unix: UnixEn
             pid = shm_window.peer_credentials(sock)[0]
             if pid != unix.pid:
                 raise ProtocolError(f"the server's Unix socket is held by pid {pid}, not {unix.pid}")
-            block_with_timeout(sock, cfg.timeout)
+            sock.settimeout(cfg.timeout)
         except BaseException:
             sock.close()
             raise
@@ -167,7 +166,7 @@ def open_socket(cfg: RemoteConfig, host: str, port: int, tls: bool, unix: UnixEn
     sock = socket.create_connection((host, port), timeout=cfg.connect_timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        block_with_timeout(sock, cfg.timeout)  # (each call gives up in the kernel: no poll before it)
+        sock.settimeout(cfg.timeout)
         if tls:
             ctx = ssl.create_default_context(cafile=cfg.tls_ca)
             if not cfg.tls_verify:

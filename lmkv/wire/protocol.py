@@ -341,21 +341,6 @@ def send_buffers(sock: socket.socket, buffers: Sequence) -> None:
             views[i] = views[i][sent:]
 
 
-def block_with_timeout(sock: socket.socket, seconds: float) -> None:
-    """Blocking calls on ``sock`` that each give up after ``seconds`` in the kernel (``SO_RCVTIMEO``,
-    ``SO_SNDTIMEO``), where Python's own timeout waits in a ``poll`` before each call: a second
-    system call, and a second time the thread lets go of the interpreter lock and waits to take it
-    back, which the threads of a server (one a connection) and of an engine contend for. With
-    kernel timeouts on both ends, one-page 64 KiB GETs from 1, 8 and 64 clients came 25%, 40-50%
-    and 50% faster on a 2-core host. A call that runs out of time raises ``BlockingIOError`` (the
-    socket reader says ``TimeoutError``)."""
-    sock.settimeout(None)
-    micros = max(1, round(seconds * 1e6))  # (0 would mean never)
-    tv = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view`` from the socket; a closed peer mid-way is a ProtocolError. ``deadline`` (a
     ``time.monotonic()`` instant): all of it by then, however the bytes trickle in (``TimeoutError``)."""
