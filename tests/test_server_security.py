@@ -279,6 +279,23 @@ def test_wrong_tokens_are_answered_slower_and_slower(tmp_path):
             assert time.monotonic() - t1 < 0.25
 
 
+def test_a_silent_client_loses_its_connection_at_the_idle_timeout_and_a_busy_one_keeps_it(tmp_path):
+    """A client that says nothing for ``server.idle_timeout`` is told so and closed; one that keeps
+    asking is not, however long it stays."""
+    with _serve(tmp_path, idle_timeout=1.0) as s:
+        with _tcp(s) as silent, _tcp(s) as busy:
+            _hello(silent)
+            _hello(busy)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 2.5:  # past the idle timeout, a request every 0.2 s
+                busy.sendall(frame(Op.STATS, encode(Empty())))
+                assert read_frame(busy, 1 << 20)[0] == 0
+                time.sleep(0.2)
+            status, meta, _ = read_frame(silent, 1 << 20)  # told why, and closed, while the other asked
+            assert status == 1 and b"timed out" in meta
+            assert silent.recv(1 << 16) == b""
+
+
 def test_a_put_whose_pages_never_come_releases_its_room(tmp_path, layout):
     """A PUT reserves room for its pages when its header arrives; if they do not follow within
     the payload deadline the connection is closed and the room is free again."""
