@@ -281,7 +281,8 @@ def test_wrong_tokens_are_answered_slower_and_slower(tmp_path):
 
 def test_a_silent_client_loses_its_connection_at_the_idle_timeout_and_a_busy_one_keeps_it(tmp_path):
     """A client that says nothing for ``server.idle_timeout`` is told so and closed; one that keeps
-    asking is not, however long it stays."""
+    asking is not, however long it stays. (Its socket's calls give up in the kernel: a blocking
+    socket without ``SO_RCVTIMEO`` would wait for it forever.)"""
     with _serve(tmp_path, idle_timeout=1.0) as s:
         with _tcp(s) as silent, _tcp(s) as busy:
             _hello(silent)
@@ -292,8 +293,36 @@ def test_a_silent_client_loses_its_connection_at_the_idle_timeout_and_a_busy_one
                 assert read_frame(busy, 1 << 20)[0] == 0
                 time.sleep(0.2)
             status, meta, _ = read_frame(silent, 1 << 20)  # told why, and closed, while the other asked
-            assert status == 1 and b"timed out" in meta
+            assert status == 1 and b"timeout" in meta
             assert silent.recv(1 << 16) == b""
+
+
+def test_a_client_that_never_reads_its_reply_loses_its_connection_not_a_thread_forever(tmp_path, layout):
+    """A GET whose reply (16 MiB, far more than the sockets buffer) the client never reads: the
+    server's send gives up at the timeout and closes the connection; other clients are served."""
+    with _serve(tmp_path, idle_timeout=1.0) as s:
+        keys, _, pages = make_pages(layout, 256)
+        tier = ServerTier(RemoteConfig(url=s.url, shm="never"))
+        assert all(tier.put(pages, "engine"))
+        tier.close()
+        with _tcp(s) as stuck:
+            stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            _hello(stuck)
+            stuck.sendall(frame(Op.GET, encode(Get(list(keys), LayoutMsg.of(layout)))))
+            time.sleep(3.0)  # never reading, past the timeout
+            got, t0 = 0, time.monotonic()
+            while time.monotonic() - t0 < 10:
+                try:
+                    chunk = stuck.recv(1 << 20)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                got += len(chunk)
+            assert got < 256 * layout.payload_bytes  # cut off, not sent whole after all
+        tier = ServerTier(RemoteConfig(url=s.url, shm="never"))
+        assert all(h is not None for h in tier.get(keys[:4], layout, [np.zeros(layout.payload_bytes, np.uint8)] * 4))
+        tier.close()
 
 
 def test_a_put_whose_pages_never_come_releases_its_room(tmp_path, layout):

@@ -56,6 +56,7 @@ from lmkv.wire.protocol import (
     ProtocolError,
     Stats,
     Stored,
+    block_with_timeout,
     decode_request,
     encode,
     frame,
@@ -152,6 +153,7 @@ class Client:
         #: held around every copy into or out of the client's shared memory; ``revoked`` under it
         self._copying = threading.Lock()
         self._puts: dict[int, OpenPut] = {}  # put sessions open on this connection, by number
+        self._armed: float | None = None  # the socket's timeout in the kernel (:meth:`arm_timeout`)
         self._put_numbers = itertools.count(1)
         self._revoked = False
         #: requests after HELLO come through a buffer (HELLO itself is read exactly: the descriptors
@@ -480,7 +482,7 @@ class Client:
                 for i in range(len(headers)):
                     self._reader.into(memoryview(session.buffer(i)), deadline)
             stored = session.commit(inner)
-        self._arm_timeout()
+        self.arm_timeout()
         self._count_stored(headers, stored)
         self.reply(Stored(stored))
 
@@ -490,12 +492,16 @@ class Client:
         counters.put_bytes += sum(h.payload_len for h, ok in zip(headers, stored) if ok)
         counters.refused += len(stored) - sum(stored)
 
-    def _arm_timeout(self) -> None:
+    def arm_timeout(self) -> None:
         """While a put session is open its client has ``payload_timeout`` between requests (its room is
         reserved: a client that went quiet loses the session with the connection, not after the idle
-        timeout); otherwise ``idle_timeout``."""
+        timeout); otherwise ``idle_timeout``. Each call on the socket gives up in the kernel
+        (:func:`~lmkv.wire.protocol.block_with_timeout`), set again only when it changes."""
         cfg = self.server.cfg.server
-        self.sock.settimeout(cfg.payload_timeout if self._puts else cfg.idle_timeout)
+        want = cfg.payload_timeout if self._puts else cfg.idle_timeout
+        if want != self._armed or self.sock.gettimeout() is not None:  # (a read with a deadline sets one)
+            block_with_timeout(self.sock, want)
+            self._armed = want
 
     # -- put sessions: a step's pages streamed as they are computed ---------------
 
@@ -521,7 +527,7 @@ class Client:
             return
         number = next(self._put_numbers)
         self._puts[number] = OpenPut(list(req.keys), lays, session)
-        self._arm_timeout()
+        self.arm_timeout()
         self.reply(Opened(number))
 
     def _open_put(self, number: int) -> OpenPut:
@@ -534,7 +540,7 @@ class Client:
         """The session, no longer open on this connection (ended or aborted by the caller)."""
         put = self._open_put(number)
         del self._puts[number]
-        self._arm_timeout()
+        self.arm_timeout()
         return put
 
     def put_range(self, req, bulk: int) -> None:
@@ -552,7 +558,7 @@ class Client:
             deadline = time.monotonic() + self.server.cfg.server.payload_timeout
             for i in req.pages:
                 self._reader.into(memoryview(put.session.buffer(i)[start:end]), deadline)
-            self._arm_timeout()
+            self.arm_timeout()
         else:
             mem = self.arena
             if mem is None:

@@ -226,7 +226,7 @@ class Server:
         client.authenticated = True
         self._peers.leave(client.origin)
         self._drop_pending_key(client.pending_key)
-        client.sock.settimeout(self.cfg.server.idle_timeout)
+        client.arm_timeout()
 
     def _await_hello(self, raw: socket.socket, peer: str) -> None:
         """Count a new connection as unauthenticated; when too many are, the oldest goes: a client

@@ -42,7 +42,10 @@ class SocketReader:
             if left <= 0:
                 raise TimeoutError("the bytes did not arrive in time")
             self.sock.settimeout(left)
-        n = self.sock.recv_into(dst)
+        try:
+            n = self.sock.recv_into(dst)
+        except BlockingIOError:  # (a blocking socket's kernel timeout: see protocol.block_with_timeout)
+            raise TimeoutError("nothing arrived within the socket's timeout") from None
         if n == 0:
             raise self._closed("connection closed mid-message")
         return n
