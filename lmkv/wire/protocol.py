@@ -362,10 +362,11 @@ def block_with_timeout(sock: socket.socket, seconds: float) -> None:
     """Blocking calls on ``sock`` that each give up after ``seconds`` in the kernel (``SO_RCVTIMEO``,
     ``SO_SNDTIMEO``), where Python's own timeout waits in a ``poll`` before each call: a second
     system call, and a second time the thread lets go of the interpreter lock and waits to take it
-    back, which the threads of a server (one a connection) and of an engine contend for. With
-    kernel timeouts on both ends, one-page 64 KiB GETs from 1, 8 and 64 clients came 25%, 40-50%
-    and 50% faster on a 2-core host. A call that runs out of time raises ``BlockingIOError`` (the
-    socket reader says ``TimeoutError``)."""
+    back. ``lmkv serve``'s threads (one a connection) contend for that lock: with kernel timeouts it
+    answered 15-25% more one-page 64 KiB GETs from 8 and 64 clients on a 2-core host. (Its clients
+    keep Python's timeouts: with kernel ones there, 32-page transfers of 2 MiB came 20-30% slower.)
+    A call that runs out of time raises ``BlockingIOError`` (the socket reader says
+    ``TimeoutError``); a bulk send switches to Python's timeout (:func:`send_buffers`)."""
     sock.settimeout(None)
     micros = max(1, round(seconds * 1e6))  # (0 would mean never)
     tv = struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
