@@ -1,19 +1,20 @@
 """``lmkv bench mooncake``: the Mooncake Store tier beside raw Mooncake client calls.
 
 A real ``mooncake_master`` on loopback and two clients in this process, each contributing a
-segment (objects land in either, as across a cluster's nodes): lmkv's tier, given a memory arena
-as a store gives it its memory tier's (registered with Mooncake), and a peer. The baseline is raw
+segment (objects land in either, as across a cluster's nodes): lmkv's tier, given a memory tier's
+arena as a store gives it (registered with Mooncake; its pages read into and written from that
+tier's slots, a header's room before each), and a peer. The baseline is raw
 calls of lmkv's own client (``MooncakeDistributedStore``) into a buffer registered with it: the same
 objects from the same segments, so placement favours neither side. Per round, the same pages:
 
-- ``mooncake.put.2MiB``: ``MooncakeTier.put`` of 2 MiB pages from arena slots (header and
+- ``mooncake.put.2MiB``: ``MooncakeTier.put`` of 2 MiB pages from memory slots (header and
   payload, one object each); baseline: ``batch_put_from`` of objects of the same sizes from
   registered memory.
 - ``mooncake.put_session.2MiB``: the same pages through a step's put session
   (:mod:`lmkv.tiers.mooncake_puts`): its start, every layer's range of every page as its own put,
   the headers and the session's end, back to back (in a step, the ranges go while the forward
   computes); baseline: ``batch_put_from`` as above.
-- ``mooncake.get.2MiB`` / ``mooncake.get.256KiB``: ``MooncakeTier.get`` into arena slots, every
+- ``mooncake.get.2MiB`` / ``mooncake.get.256KiB``: ``MooncakeTier.get`` into memory slots, every
   page verified; baseline: ``batch_get_into`` of the same objects into registered memory.
   ``.unverified``: the same with ``remote.verify`` off (what the checksums cost is the gap).
 - ``mooncake.get_layer.2MiB``: one layer's range of every page (what a layerwise load asks for a
@@ -26,23 +27,20 @@ objects from the same segments, so placement favours neither side. Per round, th
 from __future__ import annotations
 
 import logging
-import threading
 
 import numpy as np
 
 from lmkv.benchmarks.report import Report, gbps, interleaved, timed
 from lmkv.benchmarks.tiers import bench_layout, random_keys
-from lmkv.config import RemoteConfig
+from lmkv.config import MemoryConfig, RemoteConfig
 from lmkv.dev.mooncake_master import start_master
 from lmkv.page import header_bytes, make_header
-from lmkv.tiers.arena import HostArena
-from lmkv.tiers.base import TierStats
-from lmkv.tiers.quarantine import Quarantine
+from lmkv.tiers.memory import MemorySession, MemoryTier
 
 log = logging.getLogger("lmkv.bench.mooncake")
 
-#: the tier's arena: room for 2 x 32 pages of 2 MiB (read into, written from)
-ARENA_BYTES = 128 << 20
+#: the memory tier's arena: room for 2 x 32 slots of 2 MiB and their header room (read into, written from)
+ARENA_BYTES = 192 << 20
 
 
 def run(quick: bool = False) -> Report:
@@ -58,8 +56,8 @@ def run(quick: bool = False) -> Report:
     with start_master() as master:
         mc = {"segment_size": 1 << 30, "local_buffer_size": 64 << 20, "staging_size": 128 << 20}
         tier = MooncakeTier(RemoteConfig(url=master.url, timeout=30, mooncake=mc))
-        arena = HostArena(ARENA_BYTES, "never")
-        tier.share_arena(arena, Quarantine(threading.Lock(), lambda *_: None, ARENA_BYTES, TierStats()))
+        memory = MemoryTier(MemoryConfig(capacity=str(ARENA_BYTES), pin="never"), header_room=tier.header_room)
+        tier.share_arena(memory.arena, memory.quarantine, memory.room_before)
         peer = MooncakeDistributedStore()
         if peer.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 30, 64 << 20, "tcp", "", master.url.split("//")[1]) != 0:
             raise RuntimeError("the peer Mooncake client could not set up")
@@ -68,19 +66,24 @@ def run(quick: bool = False) -> Report:
         if raw.register_buffer(reg.ctypes.data, reg.nbytes) != 0:
             raise RuntimeError("lmkv's Mooncake client could not register the baseline's buffer")
         try:
-            _size(report, tier, raw, reg, arena.buf, "2MiB", 2 << 20, 16 if quick else 32, rounds)
-            _size(report, tier, raw, reg, arena.buf, "256KiB", 256 << 10, 128, rounds)
+            for label, page, n in (("2MiB", 2 << 20, 16 if quick else 32), ("256KiB", 256 << 10, 128)):
+                slots = memory.open_session(random_keys(2 * n), [bench_layout(page)] * (2 * n), "bench")
+                try:  # (slots as a load takes them)
+                    _size(report, tier, raw, reg, slots, label, page, n, rounds)
+                finally:
+                    slots.abort()
         finally:
             raw.unregister_buffer(reg.ctypes.data)
             tier.close()
             peer.close()
+            memory.close()
     return report
 
 
-def _size(report: Report, tier, raw, reg: np.ndarray, arena: np.ndarray, label: str, page: int, n: int,
+def _size(report: Report, tier, raw, reg: np.ndarray, slots: MemorySession, label: str, page: int, n: int,
           rounds: int) -> None:
-    """One page size's figures (``raw``: the tier's client, with ``reg`` registered; ``arena``: the
-    tier's, its first ``n`` pages read into, the next ``n`` written from)."""
+    """One page size's figures (``raw``: the tier's client, with ``reg`` registered; ``slots``: 2 x
+    ``n`` of its memory tier's, the first ``n`` read into, the others written from)."""
     lay = bench_layout(page)
     obj = header_bytes(lay) + page
     payloads = [np.random.default_rng(i).integers(0, 256, page, dtype=np.uint8) for i in range(n)]
@@ -89,8 +92,8 @@ def _size(report: Report, tier, raw, reg: np.ndarray, arena: np.ndarray, label: 
         raise RuntimeError("the Mooncake tier refused pages")
     names = [tier._name(k) for k in keys]
     ptrs = [reg.ctypes.data + i * obj for i in range(n)]
-    outs = [arena[i * page : (i + 1) * page] for i in range(n)]
-    srcs = [arena[(n + i) * page : (n + i + 1) * page] for i in range(n)]
+    outs = [slots.buffer(i) for i in range(n)]
+    srcs = [slots.buffer(n + i) for i in range(n)]
     for src, p in zip(srcs, payloads):
         src[:] = p
     what = "raw calls of the same client for the same objects, into registered memory, same run"

@@ -9,11 +9,13 @@ from lmkv.tiers.allocator import SlabAllocator
 
 
 @given(st.lists(st.tuples(st.booleans(), st.sampled_from([4096, 10000, 65536, 200000])), max_size=300),
-       st.integers(0, 2**16))
+       st.integers(0, 2**16), st.sampled_from([0, ALIGN, 2 * ALIGN]))
 @settings(max_examples=80, deadline=None)
-def test_churn_never_overlaps_and_frees_everything(ops, seed):
+def test_churn_never_overlaps_and_frees_everything(ops, seed, room):
+    """Slots never overlap, with the room kept before each (a tier's header lands there) counted as
+    the slot's; the room is there for a slot's start alone."""
     rnd = random.Random(seed)
-    a = SlabAllocator(4 << 20, 1 << 20)
+    a = SlabAllocator(4 << 20, 1 << 20, room)
     live: dict[int, int] = {}
     for do_alloc, size in ops:
         if do_alloc or not live:
@@ -21,9 +23,10 @@ def test_churn_never_overlaps_and_frees_everything(ops, seed):
             if off is None:
                 continue
             assert off % ALIGN == 0
-            assert off + size <= a.capacity
+            assert room <= off and off + size <= a.capacity
             for o, s in live.items():
-                assert off + size <= o or o + s <= off, "overlapping slots"
+                assert off + size <= o - room or o + s <= off - room, "overlapping slots"
+            assert a.room_before(off, size) == room and a.room_before(off + ALIGN, size) == 0
             live[off] = size
         else:
             off = rnd.choice(list(live))
@@ -53,3 +56,5 @@ def test_errors():
         a.free(off + 1, 4096)
     with pytest.raises(ValueError):
         SlabAllocator(100, 4096)
+    with pytest.raises(ValueError, match="multiple"):
+        SlabAllocator(1 << 20, 1 << 20, room=100)

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from conftest import make_pages
 
-from lmkv.config import RemoteConfig
+from lmkv.config import MemoryConfig, RemoteConfig
 from lmkv.dev.mooncake_master import start_master
 from lmkv.dev.redis_server import free_port
 from lmkv.errors import TierUnavailableError
 from lmkv.page import header_bytes, make_header
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import TierStats
+from lmkv.tiers.memory import MemoryTier
 from lmkv.tiers.quarantine import Quarantine
 
 pytest.importorskip("mooncake.store")
@@ -250,6 +251,47 @@ def test_pages_move_between_mooncake_and_the_arena_directly_and_a_call_given_up_
             time.sleep(0.1)
         assert quarantine.held == 0
         assert all(h is not None for h in t.get(keys, layout, slots[4:]))
+        t.close()
+
+
+def test_a_page_moves_as_one_buffer_its_header_in_the_room_the_memory_tier_keeps_before_its_slot(master, layout):
+    """A memory tier that keeps the Mooncake tier's ``header_room`` before each slot: a page written
+    from its slot leaves with its header written into that room, and a page read into a fresh slot
+    lands with its header there (one buffer each: header and payload are one run of memory), is
+    verified, and leaves the slots beside it alone; staging carries nothing. A buffer in the arena
+    that is not a slot's start has no room: its header goes through staging."""
+    t = _tier(master.url)
+    memory = MemoryTier(MemoryConfig(capacity="4MiB", pin="never"), header_room=t.header_room)
+    try:
+        t.share_arena(memory.arena, memory.quarantine, memory.room_before)
+        keys, payloads, pages = make_pages(layout, 4, seed=21)
+        hdr = header_bytes(layout)
+        assert memory.put(pages, "engine") == [True] * 4
+        with memory.borrow(keys) as lease:
+            assert t.put([(h, v) for (h, _), v in zip(pages, lease.views)], "engine") == [True] * 4
+            rooms = [bytes(memory.arena.buf[e.offset - hdr : e.offset]) for e in lease._entries]
+            assert rooms == [h.pack() for h, _ in pages]
+        assert not t._staging.any()
+        memory.delete(keys)
+        session = memory.open_session(keys, [layout] * 4, "engine")
+        slots = [session.buffer(i) for i in range(4)]
+        arena = memory.arena.buf
+        arena[:] = 7
+        offsets = [s.ctypes.data - arena.ctypes.data for s in slots]
+        assert all(h is not None for h in t.get(keys, layout, slots))
+        assert all((s == p).all() for s, p in zip(slots, payloads))
+        assert not t._staging.any()
+        untouched = np.ones(arena.nbytes, bool)
+        for at, (h, _) in zip(offsets, pages):
+            assert bytes(arena[at - hdr : at]) == h.pack()
+            untouched[at - hdr : at + layout.payload_bytes] = False
+        assert (arena[untouched] == 7).all()
+        assert session.commit() == [True] * 4
+        elsewhere = arena[-layout.payload_bytes :]  # (in the arena, not a slot)
+        assert t.get(keys[:1], layout, [elsewhere])[0] is not None and (elsewhere == payloads[0]).all()
+        assert bytes(t._staging[:hdr]) == pages[0][0].pack()
+    finally:
+        memory.close()
         t.close()
 
 

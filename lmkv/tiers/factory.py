@@ -51,9 +51,10 @@ def open_tiers(cfg: LMKVConfig, on_evict: EvictHook | None = None, lower: Sequen
     accounts = accounts or {}
     remote = open_remote(cfg.remote, cfg.namespace)
     share = remote is not None and remote.wants_arena
-    memory = MemoryTier(cfg.memory, on_evict=on_evict, shared=share, accounts=accounts.get("memory"))
+    memory = MemoryTier(cfg.memory, on_evict=on_evict, shared=share, accounts=accounts.get("memory"),
+                        header_room=0 if remote is None else remote.header_room)
     if remote is not None:
-        remote.share_arena(memory.arena, memory.quarantine)
+        remote.share_arena(memory.arena, memory.quarantine, memory.room_before)
         remote.connect_soon()  # (after sharing: the arena is registered as it connects)
     below: list[Tier] = [DiskTier(cfg.disk, accounts=accounts.get("disk"))] if cfg.disk.path else []
     below.extend(lower)

@@ -94,9 +94,11 @@ class MemoryTier(LocalTier):
     """
 
     def __init__(self, cfg: MemoryConfig, name: str = "memory", on_evict: EvictHook | None = None,
-                 shared: bool = False, accounts: Accounts | None = None) -> None:
+                 shared: bool = False, accounts: Accounts | None = None, header_room: int = 0) -> None:
         """``shared``: the arena is a shared-memory window an lmkv server on this host can map;
-        ``accounts``: who the pages are charged to and their limits (default: one, unlimited)."""
+        ``accounts``: who the pages are charged to and their limits (default: one, unlimited);
+        ``header_room``: bytes kept free before every slot, where a tier below lands a page's
+        header read with its payload in one piece (:meth:`room_before`)."""
         super().__init__(name)
         self.cfg = cfg
         self.verifies = cfg.verify_checksums
@@ -109,7 +111,7 @@ class MemoryTier(LocalTier):
         # Each page size (a model's cache groups differ) needs slabs of its own: a small arena is
         # cut into at least MIN_SLABS of them rather than into one slab of slab_size.
         slab = min(int(cfg.slab_size), max(int(cfg.capacity) // MIN_SLABS, 1 << 20))
-        self._alloc = SlabAllocator(int(cfg.capacity), slab)
+        self._alloc = SlabAllocator(int(cfg.capacity), slab, header_room)
         self._policies: dict[tuple[int, str], EvictionPolicy] = {}  # (slot size, account) -> order
         self._index: dict[PageKey, _Entry] = {}
         self._accounts = accounts or Accounts()
@@ -134,6 +136,11 @@ class MemoryTier(LocalTier):
     def arena(self) -> HostArena:
         """The arena pages live in (its ``window``: shared memory, unless page-locked or not shared)."""
         return self._arena
+
+    def room_before(self, offset: int, nbytes: int) -> int:
+        """The free bytes before the arena slot of ``nbytes`` at ``offset`` (0 for anything but the
+        start of a slot), for a tier that reads or writes a page's header right before its payload."""
+        return self._alloc.room_before(offset, nbytes)
 
     def _view(self, e: _Entry) -> np.ndarray:
         return self._arena.view(e.offset, e.header.payload_len)

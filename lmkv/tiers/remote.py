@@ -40,7 +40,7 @@ from lmkv.page import (
 )
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range, Tier, WriteSession
-from lmkv.tiers.quarantine import Quarantine
+from lmkv.tiers.quarantine import Quarantine, RoomBefore
 
 log = logging.getLogger(__name__)
 
@@ -209,11 +209,15 @@ class RemoteTier(Tier):
         map (a same-host lmkv server: :meth:`share_arena` is then given one)."""
         return False
 
-    def share_arena(self, arena: HostArena, quarantine: Quarantine) -> None:
+    #: bytes this tier would have the memory tier keep free before each slot (see :meth:`share_arena`)
+    header_room = 0
+
+    def share_arena(self, arena: HostArena, quarantine: Quarantine, room_before: RoomBefore | None = None) -> None:
         """Let the backend move pages straight into and out of the memory tier's ``arena`` (a same-host
         lmkv server maps its window; Mooncake registers its memory); slots lent to a request given up
-        on wait in ``quarantine`` (:mod:`lmkv.tiers.quarantine`). Without it, pages cross a buffer of
-        the tier's own."""
+        on wait in ``quarantine`` (:mod:`lmkv.tiers.quarantine`); ``room_before(offset, nbytes)``:
+        the bytes free before a slot (:attr:`header_room` of them, kept for this tier). Without it,
+        pages cross a buffer of the tier's own."""
 
     def _stream_slot(self, limit: int) -> bool:
         """Take one of ``limit`` places for a step stream (:meth:`Tier.stream`), or say there is none: a

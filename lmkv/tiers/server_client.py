@@ -44,7 +44,7 @@ from lmkv.tiers import remote
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
 from lmkv.tiers.put_stream import StepPutStream
-from lmkv.tiers.quarantine import Quarantine, lendable
+from lmkv.tiers.quarantine import Quarantine, RoomBefore, lendable
 from lmkv.tiers.remote import Checked, RemoteTier, batches
 from lmkv.tiers.server_connection import Connection, UnixEndpoint
 from lmkv.tiers.server_puts import server_session
@@ -128,7 +128,7 @@ class ServerTier(RemoteTier):
     def wants_arena(self) -> bool:
         return self.cfg.shm == "auto" and is_loopback(self.host)
 
-    def share_arena(self, arena: HostArena, quarantine: Quarantine) -> None:
+    def share_arena(self, arena: HostArena, quarantine: Quarantine, room_before: RoomBefore | None = None) -> None:
         """The server copies pages straight into the memory tier's ``arena`` when it is a shared-memory
         window (:attr:`wants_arena`); slots lent to a request this client gives up on wait in
         ``quarantine`` until the server is done with them."""
