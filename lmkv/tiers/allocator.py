@@ -22,6 +22,7 @@ from lmkv.page import ALIGN, padded
 @dataclass
 class _SizeClass:
     slot_bytes: int
+    room: int  # of slot_bytes, before the page (0 where the room would not fit a slab)
     slots_per_slab: int
     free: dict[int, list[int]] = field(default_factory=dict)  # slab -> free slot offsets
     used: dict[int, int] = field(default_factory=dict)  # slab -> slots in use
@@ -31,7 +32,8 @@ class SlabAllocator:
     """Offsets into an arena of ``capacity`` bytes; not thread-safe (the tier locks)."""
 
     def __init__(self, capacity: int, slab_bytes: int, room: int = 0) -> None:
-        """``room``: bytes kept free before every slot (a multiple of ALIGN)."""
+        """``room``: bytes kept free before every slot (a multiple of ALIGN; none before the slots of
+        a page too large for a slab to hold with it)."""
         if room % ALIGN:
             raise ValueError(f"a slot's room of {room} bytes is not a multiple of {ALIGN}")
         self.room = room
@@ -44,20 +46,23 @@ class SlabAllocator:
         self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
         self._classes: dict[int, _SizeClass] = {}
 
-    def slot_bytes(self, nbytes: int) -> int:
-        slot = padded(max(nbytes, 1)) + self.room
-        if slot > self.slab_bytes:
+    def size_class(self, nbytes: int) -> int:
+        """The class a page of ``nbytes`` is kept in (its size padded to ALIGN): pages of one class
+        take each other's slots."""
+        size = padded(max(nbytes, 1))
+        if size > self.slab_bytes:
             raise ValueError(
                 f"a page of {nbytes} bytes does not fit a {self.slab_bytes}-byte slab; "
                 "raise memory.slab_size"
             )
-        return slot
+        return size
 
     def _class(self, nbytes: int) -> _SizeClass:
-        slot = self.slot_bytes(nbytes)
-        cls = self._classes.get(slot)
+        size = self.size_class(nbytes)
+        cls = self._classes.get(size)
         if cls is None:
-            cls = self._classes[slot] = _SizeClass(slot, self.slab_bytes // slot)
+            room = self.room if size + self.room <= self.slab_bytes else 0
+            cls = self._classes[size] = _SizeClass(size + room, room, self.slab_bytes // (size + room))
         return cls
 
     def alloc(self, nbytes: int) -> int | None:
@@ -78,25 +83,29 @@ class SlabAllocator:
         if not slots:
             del cls.free[slab]
         cls.used[slab] += 1
-        return off + self.room
+        return off + cls.room
 
     def _in_use(self, offset: int, nbytes: int) -> tuple[_SizeClass, int] | None:
         """The size class and slab of the slot whose payload starts at ``offset``, if one does."""
-        start = offset - self.room
-        cls = self._classes.get(self.slot_bytes(nbytes))
+        cls = self._classes.get(self.size_class(nbytes))
+        if cls is None:
+            return None
+        start = offset - cls.room
         slab = start // self.slab_bytes
-        if start < 0 or cls is None or slab not in cls.used or (start - slab * self.slab_bytes) % cls.slot_bytes:
+        if start < 0 or slab not in cls.used or (start - slab * self.slab_bytes) % cls.slot_bytes:
             return None
         return cls, slab
 
     def room_before(self, offset: int, nbytes: int) -> int:
         """The free bytes before ``offset``: :attr:`room` if a slot for ``nbytes`` starts there (a
-        view into the middle of a slot has none). Safe without the owner's lock for a slot its
-        caller holds (its slab stays with its class)."""
+        view into the middle of a slot has none, nor a page so large that its room would not fit a
+        slab). Safe without the owner's lock for a slot its caller holds (its slab stays with its
+        class)."""
         try:
-            return self.room if self.room and self._in_use(offset, nbytes) is not None else 0
+            found = self._in_use(offset, nbytes) if self.room else None
         except ValueError:  # (no slot is that large)
             return 0
+        return 0 if found is None else found[0].room
 
     def free(self, offset: int, nbytes: int) -> None:
         found = self._in_use(offset, nbytes)
@@ -104,7 +113,7 @@ class SlabAllocator:
             raise ValueError(f"offset {offset} was not allocated for {nbytes} bytes")
         cls, slab = found
         cls.used[slab] -= 1
-        cls.free.setdefault(slab, []).append(offset - self.room)
+        cls.free.setdefault(slab, []).append(offset - cls.room)
         if cls.used[slab] == 0:
             del cls.used[slab], cls.free[slab]
             self._free_slabs.append(slab)

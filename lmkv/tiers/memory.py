@@ -146,7 +146,7 @@ class MemoryTier(LocalTier):
         return self._arena.view(e.offset, e.header.payload_len)
 
     def _policy(self, nbytes: int, account: str) -> EvictionPolicy:
-        key = (self._alloc.slot_bytes(nbytes), account)
+        key = (self._alloc.size_class(nbytes), account)
         p = self._policies.get(key)
         if p is None:
             p = self._policies[key] = make_policy(self.cfg.policy)
@@ -157,11 +157,11 @@ class MemoryTier(LocalTier):
         room among its own pages; else the tier is full and room comes from the account holding
         the most of its share (:mod:`lmkv.tiers.accounts`). The size class that needs the room
         goes first (evicting there frees a usable slot), then the fullest others."""
-        slot = self._alloc.slot_bytes(nbytes)
+        size = self._alloc.size_class(nbytes)
         live = [(k, p) for k, p in self._policies.items() if len(p) and (not own or k[1] == account)]
-        here = [k[1] for k, _ in live if k[0] == slot]
-        first = [self._policies[(slot, a)] for a in self._accounts.by_pressure(here, self.capacity_bytes)]
-        rest = sorted((p for k, p in live if k[0] != slot), key=len, reverse=True)
+        here = [k[1] for k, _ in live if k[0] == size]
+        first = [self._policies[(size, a)] for a in self._accounts.by_pressure(here, self.capacity_bytes)]
+        rest = sorted((p for k, p in live if k[0] != size), key=len, reverse=True)
         return first + rest
 
     def _take_victim(self, nbytes: int, account: str, own: bool) -> tuple[_Entry, list[str]] | None:
