@@ -295,6 +295,20 @@ def test_a_page_moves_as_one_buffer_its_header_in_the_room_the_memory_tier_keeps
         t.close()
 
 
+def test_a_ranged_read_whose_session_went_away_starts_it_again_and_is_a_hit(tier, layout):
+    """A layerwise load's later spans read in the get session its first span started; when that
+    session is gone (ended by another caller of the client, its lease run out), the read starts it
+    again and the pages come, not misses and recomputed blocks."""
+    keys, payloads, pages = make_pages(layout, 3, seed=31)
+    assert tier.put(pages, "engine") == [True] * 3
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+    assert all(h is not None for h in tier.get_ranges(keys, layout, [layout.layer_range(0)], outs))
+    assert tier._client().batch_get_session_end([tier._name(k) for k in keys]) == 0
+    a, b = layout.layer_range(1)
+    assert all(h is not None for h in tier.get_ranges(keys, layout, [(a, b)], outs))
+    assert all((o[a:b] == p[a:b]).all() for o, p in zip(outs, payloads))
+
+
 def test_an_expired_lease_is_a_miss_not_an_outage():
     """Mooncake lends an object to a reader for ``default_kv_lease_ttl``; a read that outlives the lease is
     refused (-707, LEASE_EXPIRED: engines on other connectors died of it, Mooncake #3076). With a 1 ms

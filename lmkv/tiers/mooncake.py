@@ -66,6 +66,9 @@ T = TypeVar("T")
 
 #: Mooncake's error codes from here down: the master did not answer (its RPC failed)
 RPC_FAILED = -900
+#: a ranged read's codes for an object whose get session is gone (-600: not in one, as after an end
+#: elsewhere; -707: its lease ran out), not for an object that is gone
+SESSION_GONE = (-600, -707)
 #: threads Mooncake's blocking calls run on (a stalled master holds one each until it answers)
 CALL_THREADS = 4
 #: headers of pages read lately, kept so a layerwise load's later spans read only their ranges
@@ -405,19 +408,27 @@ class MooncakeTier(RemoteTier):
         (one round trip), ranged reads then move bytes from those replicas without the master.
         (Mooncake 0.3.13's ``get_into_ranges`` crashes the process when its own query of the master
         fails, as when the master dies during the call; an object the session's start does not find
-        is a miss.)"""
+        is a miss.) An object whose session went away since it was started (:data:`SESSION_GONE`: its
+        lease ran out between two spans of a load) is started again and read once more: it may
+        well be there still."""
         if whole:
             got = client.batch_get_into_multi_buffers(names, ptrs, lens)
             return [g == sum(z) for g, z in zip(got, lens)]
         live = self._session(client, names)
         ok = [False] * len(names)
-        try:
-            if not live:
-                return ok
-            got = client.batch_get_into_multi_buffer_ranges([names[i] for i in live], [ptrs[i] for i in live],
-                                                            [lens[i] for i in live], [srcs[i] for i in live])
-            for i, g in zip(live, got):
+
+        def ranges(which: list[int]) -> list[int]:
+            got = client.batch_get_into_multi_buffer_ranges([names[i] for i in which], [ptrs[i] for i in which],
+                                                            [lens[i] for i in which], [srcs[i] for i in which])
+            for i, g in zip(which, got):
                 ok[i] = g == sum(lens[i])
+            return [i for i, g in zip(which, got) if g in SESSION_GONE]
+
+        try:
+            gone = ranges(live) if live else []
+            if gone:
+                started = client.batch_get_session_start([names[i] for i in gone])
+                ranges([i for i, rc in zip(gone, started) if rc >= 0])
             return ok
         finally:
             # (a page that failed, missing, its lease expired or its object gone, is started afresh next time)
