@@ -278,12 +278,12 @@ class MooncakeTier(RemoteTier):
         staging where there is none: one batch, unless there are more than half of staging holds),
         and are verified once it returns (checking one part while the next moved was slower here:
         23 against 15 ms for 128 pages of 256 KiB in parts of 8 MiB, the call's threads and the
-        checking thread contending); the others land in staging,
-        the two halves of it in turn, and are copied into their ``outs`` while Mooncake moves the
-        next batch (its calls release the interpreter lock). Each page lands as its header and payload, or
-        as ``ranges`` alone when this tier has read its header lately (a layerwise load's later
-        spans: a page's key names its content, so a header read once verifies every range), else its
-        header and ``ranges``; every one is verified where it landed."""
+        checking thread contending); the others land in staging, the two halves of it in turn, and
+        are copied into their ``outs`` while Mooncake moves the next batch (its calls release the
+        interpreter lock). Each page lands as its header and payload, or as ``ranges`` alone when
+        this tier has read its header lately (a layerwise load's later spans: a page's key names its
+        content, so a header read once verifies every range), else its header and ``ranges``; every
+        one is verified where it landed."""
         hdr = header_bytes(layout)
         want = [(0, layout.payload_bytes)] if ranges is None else [(a, b) for a, b in ranges]
         units = units_in_ranges(layout, want)
@@ -428,6 +428,7 @@ class MooncakeTier(RemoteTier):
             gone = ranges(live) if live else []
             if gone:
                 started = client.batch_get_session_start([names[i] for i in gone])
+                self._reachable(started)
                 ranges([i for i, rc in zip(gone, started) if rc >= 0])
             return ok
         finally:
