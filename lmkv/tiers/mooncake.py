@@ -14,7 +14,7 @@ transport too, since 0.3.12): the memory tier's arena is registered (:meth:`Moon
 so pages land in and leave from the slots the engine's loads and stores use, in one call per batch.
 The memory tier keeps :attr:`MooncakeTier.header_room` free before each slot: a page's header lands
 there and leaves from there, its object moving as one buffer (as two, header and payload apart, it
-moved at 0.75-0.85x the rate). Pages outside the arena go through a registered staging buffer of
+moved at 0.73-0.94x the rate). Pages outside the arena go through a registered staging buffer of
 this tier's.
 
 A call given up on (``remote.timeout``) may still move bytes: the arena slots it was lent stay in
