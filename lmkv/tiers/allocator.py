@@ -14,9 +14,14 @@ in the room (two pieces cost Mooncake's transfer 6-27% of its rate).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lmkv.page import ALIGN, padded
+
+#: ``(offset, nbytes) -> bytes``: the free room before the arena slot at ``offset``
+#: (:meth:`SlabAllocator.room_before`, as the memory tier passes it to a tier below)
+RoomBefore = Callable[[int, int], int]
 
 
 @dataclass

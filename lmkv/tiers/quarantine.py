@@ -60,8 +60,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
-#: ``(offset, nbytes) -> bytes``: the memory tier's free room before the arena slot at ``offset``
-RoomBefore = Callable[[int, int], int]
 
 
 class Quarantine:

@@ -38,9 +38,10 @@ from lmkv.page import (
     verify_payload,
     verify_units,
 )
+from lmkv.tiers.allocator import RoomBefore
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range, Tier, WriteSession
-from lmkv.tiers.quarantine import Quarantine, RoomBefore
+from lmkv.tiers.quarantine import Quarantine
 
 log = logging.getLogger(__name__)
 

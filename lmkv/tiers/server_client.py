@@ -41,10 +41,11 @@ from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
 from lmkv.page import Chunk, PageHeader, as_bytes_view, landing_chunks, units_in_ranges, unpack_header, verify_units
 from lmkv.tiers import remote
+from lmkv.tiers.allocator import RoomBefore
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
 from lmkv.tiers.put_stream import StepPutStream
-from lmkv.tiers.quarantine import Quarantine, RoomBefore, lendable
+from lmkv.tiers.quarantine import Quarantine, lendable
 from lmkv.tiers.remote import Checked, RemoteTier, batches
 from lmkv.tiers.server_connection import Connection, UnixEndpoint
 from lmkv.tiers.server_puts import server_session

@@ -364,7 +364,8 @@ def block_with_timeout(sock: socket.socket, seconds: float) -> None:
     system call, and a second time the thread lets go of the interpreter lock and waits to take it
     back. ``lmkv serve``'s threads (one a connection) contend for that lock: with kernel timeouts it
     answered 15-25% more one-page 64 KiB GETs from 8 and 64 clients on a 2-core host. (Its clients
-    keep Python's timeouts: with kernel ones there, 32-page transfers of 2 MiB came 20-30% slower.)
+    keep Python's timeouts: kernel ones there made 32-page transfers of 2 MiB 20-30% slower in one
+    day's runs, and in a later day's changed neither those nor a client's CPU time per small GET.)
     A call that runs out of time raises ``BlockingIOError`` (the socket reader says
     ``TimeoutError``); a bulk send switches to Python's timeout (:func:`send_buffers`)."""
     sock.settimeout(None)
