@@ -523,27 +523,31 @@ class MooncakeTier(RemoteTier):
         there."""
         came = self._wait(moving.fut)
         results: list = []
+        verified: list[tuple[PageKey, PageHeader]] = []
         for j, (i, ok) in enumerate(zip(r, came)):
             if not ok:
                 results.append(None)
                 continue
             head = heads[j]
             raw: bytes | PageHeader = bytes(head) if head is not None else known[i]  # type: ignore[assignment]
-            pos = offsets[j] + (hdr if head is not None and staged else 0)
-            dst = np.frombuffer(memoryview(outs[i]).cast("B"), np.uint8)
-            for a, b in want if staged else ():
-                np.copyto(dst[a:b], self._staging[pos : pos + b - a])
-                pos += b - a
+            dst = outs[i]
+            if staged:
+                pos = offsets[j] + (hdr if head is not None else 0)
+                dst = np.frombuffer(memoryview(dst).cast("B"), np.uint8)
+                for a, b in want:
+                    np.copyto(dst[a:b], self._staging[pos : pos + b - a])
+                    pos += b - a
             if not self.verifies:
                 results.append(raw)
                 continue
             got = self._verified(keys[i], raw, layout, dst, units)
             if isinstance(got, Checked):
-                self._headers.put(keys[i], got.header)
+                verified.append((keys[i], got.header))
             else:  # (its object may have gone or changed since the session found it: start afresh)
                 self._headers.forget([keys[i]])
                 self._leave_session([self._name(keys[i])])
             results.append(got)
+        self._headers.put_many(verified)
         return results
 
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:

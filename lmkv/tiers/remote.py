@@ -170,9 +170,14 @@ class HeaderCache:
             return out
 
     def put(self, key: PageKey, header: PageHeader) -> None:
+        self.put_many([(key, header)])
+
+    def put_many(self, items: Sequence[tuple[PageKey, PageHeader]]) -> None:
+        """Every ``(key, header)`` kept, under one lock (a read keeps a header for each page it verified)."""
         with self._lock:
-            self._headers[key] = header
-            self._headers.move_to_end(key)
+            for key, header in items:
+                self._headers[key] = header
+                self._headers.move_to_end(key)
             while len(self._headers) > self.capacity:
                 self._headers.popitem(last=False)
 
