@@ -19,7 +19,7 @@
   in turn for a few rounds (medians: on a 2-core host the same measurement varied 1.5x from one
   window to the next).
 - ``server.shm.get_batch``: a GET of 64 pages of 64 KiB from a server on this host into the
-  client's shared arena; baseline: the same GET over TCP.
+  client's shared arena; baseline: the same GET over TCP (medians of samples of 8 GETs each).
 - ``server.write_through.4MiB{,.tcp}``: a step's write-through of 32 pages of 4 MiB to the server,
   from its commit until the server holds them all, the server on this host (shared memory) and
   over TCP (``.tcp``, as to another host); baseline: the same bytes sent to the plain server and
@@ -295,7 +295,7 @@ def _server(report: Report, quick: bool) -> None:
                     ours, base = interleaved(rounds, partial(_gets, "lmkv", server.url, page, clients, keys, seconds),
                                              partial(_gets, "plain", port, page, clients, keys, seconds))
                     report.add(f"server.get.{label}.{clients}", ours, "GB/s", base, what)
-            _batches(report, server.url, 3 if quick else 7)
+            _batches(report, server.url, 3 if quick else 9)
             _write_through(report, server.url, port, 3 if quick else 7)
         with spawn("--memory", "1GiB") as idle:
             time.sleep(1.0)
@@ -313,6 +313,7 @@ def _rss(pid: int) -> float:
 def _batches(report: Report, url: str, rounds: int) -> None:
     """A batch of 64 KiB pages in one GET, into a shared arena (same host) and over TCP."""
     page, n = 64 << 10, 64
+    repeats = 8  # GETs a sample times (one GET is a few ms: samples of one varied 1.5x from one to the next)
     lay = bench_layout(page)
     keys = random_keys(n)
     payloads = [np.random.default_rng(i).integers(0, 256, page, dtype=np.uint8) for i in range(n)]
@@ -325,7 +326,7 @@ def _batches(report: Report, url: str, rounds: int) -> None:
     outs = [np.zeros(page, np.uint8) for _ in range(n)]
 
     def over(tier, dst) -> float:
-        return gbps(n * page, timed(lambda: tier.get(keys, lay, dst)))
+        return gbps(repeats * n * page, timed(lambda: [tier.get(keys, lay, dst) for _ in range(repeats)]))
 
     s, t = interleaved(rounds, lambda: over(shm, in_arena), lambda: over(tcp, outs))
     if not all(np.array_equal(o, p) for o, p in zip(in_arena, payloads)):
