@@ -12,7 +12,10 @@
   answers its first lookup; baseline: the full rebuild of its index from the files (until every
   page is indexed), same run.
 - ``scale.memory_index.1M``: put and lookup µs per page into a memory tier holding 1M pages;
-  baseline: the same at 10k pages.
+  baseline: the same at 10k pages. ``.lookup.vs_dict``: the lookup at 1M pages against a plain
+  ``dict`` of the same keys asked the same keys (what the tier adds to a hash table);
+  ``.dict``: that dict at 1M keys against one of 10k (how a hash table's lookups grow on this
+  host's caches, whoever owns it).
 - ``server.get.{64KiB,2MiB}.{1,8,64}``: one-page GETs (checksums verified) by 1, 8 and 64 clients
   at once, each with its own connection (threads over a few processes), from one ``lmkv serve``;
   baseline: a plain threaded socket server sending the same bytes per request, same run, the two
@@ -162,11 +165,12 @@ def _disk_open(report: Report, pages: int) -> None:
 
 def _memory_index(report: Report, big: int, small: int) -> None:
     """Filled to ``big`` (and ``small``) pages untimed, then 8,192 more pages put and 8,192 held
-    pages looked up, timed: the index's cost per page once it holds that many."""
+    pages looked up, timed: the index's cost per page once it holds that many (the lookups in
+    turns with a plain dict's of the same keys)."""
     lay = _layout(4 << 10)  # (the smallest slot: the index is what is measured, not the copies)
     probe = 8192
 
-    def per_page(n: int) -> tuple[float, float]:
+    def per_page(n: int) -> tuple[float, float, float]:
         room = (n + probe) * lay.payload_bytes * 21 // 20 + (64 << 20)  # (no eviction: the index alone)
         tier = MemoryTier(MemoryConfig(capacity=str(room), pin="never", prefault=True))
         keys = random_keys(n + probe)
@@ -178,22 +182,24 @@ def _memory_index(report: Report, big: int, small: int) -> None:
             tier.put(fresh[i : i + 1024], "engine")
         t_put = time.perf_counter() - t0
         held = [keys[i] for i in np.random.default_rng(1).integers(0, n, probe)]
-        took = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            found = tier.contains(held)
-            took.append(time.perf_counter() - t0)
-        t_look = statistics.median(took)
-        if not all(found) or tier.stats.evictions:
+        plain = dict.fromkeys(keys)
+        # (in turns: the same lookups measured a minute apart varied 2x here)
+        t_look, t_dict = interleaved(9, lambda: timed(lambda: tier.contains(held)),
+                                     lambda: timed(lambda: [k in plain for k in held]))
+        if not all(tier.contains(held)) or tier.stats.evictions:
             raise RuntimeError("the memory tier lost pages while its index was measured")
         tier.close()
-        return t_put / probe * 1e6, t_look / probe * 1e6
+        return t_put / probe * 1e6, t_look / probe * 1e6, t_dict / probe * 1e6
 
-    put_big, look_big = per_page(big)
-    put_small, look_small = per_page(small)
+    put_big, look_big, dict_big = per_page(big)
+    put_small, look_small, dict_small = per_page(small)
     what = f"the same at {small} pages, same run"
     report.add("scale.memory_index.1M", put_big, "µs/page (put)", put_small, what)
     report.add("scale.memory_index.1M.lookup", look_big, "µs/page (lookup)", look_small, what)
+    report.add("scale.memory_index.1M.lookup.vs_dict", look_big, "µs/page (lookup)", dict_big,
+               f"a plain dict of the same {big} keys asked the same keys, same run")
+    report.add("scale.memory_index.1M.dict", dict_big, "µs/key (lookup)", dict_small,
+               f"a plain dict of {small} keys, same run (a hash table's growth on this host's caches)")
 
 
 def run(quick: bool = False) -> Report:
