@@ -43,7 +43,18 @@ class Streams:
 
     @classmethod
     def new(cls, devices: Iterable[torch.device]) -> Streams:
-        return cls({d: torch.cuda.Stream(d) for d in devices})
+        """New streams, each with memory of torch's caching allocator set aside for it now.
+
+        The allocator keeps the blocks it frees for the stream they were used on: the first tensor
+        a new stream's copies allocate (an index, a staging buffer) takes a ``cudaMalloc``, and the
+        CUDA guide lists device allocation among the calls that synchronize implicitly. Made here,
+        while nothing is queued, the index tensors' memory is this stream's before its first copy
+        has to wait behind the forward."""
+        streams = cls({d: torch.cuda.Stream(d) for d in devices})
+        with streams.active():
+            for d in streams.by_device:
+                torch.empty(1, dtype=torch.uint8, device=d)  # (freed at once: its segment stays this stream's)
+        return streams
 
     @classmethod
     def compute(cls, devices: Iterable[torch.device]) -> Streams:

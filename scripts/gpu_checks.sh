@@ -6,10 +6,12 @@
 #       -d wheels msgspec pydantic pydantic_core annotated-types typing-inspection typing_extensions pytest-asyncio
 #   bash scripts/gpu_checks.sh [OUT_DIR]
 # Writes to OUT_DIR ($OUT): env.txt (the GPU, the driver, the packages, nvidia-fs, the file systems),
-# log.txt (pip, the cuFile probe, the benches' logs), pytest.log, and the JSON of `lmkv bench copy`,
-# `lmkv bench gds` and `lmkv bench layerwise`. GDS_DIR picks the directory cuFile reads and writes
-# (ext4 or xfs); without it the first such writable mount is taken, else /tmp (then the report
-# says why GDS did not run there). GDS_UDEV_ENTRY=1: see below (the device tool's VM needs it).
+# log.txt (pip, the cuFile probe, the benches' logs), pytest.log, stream-waits.txt (which calls
+# make the host wait for a busy copy stream: scripts/gpu_stream_waits.py), and the JSON of
+# `lmkv bench copy`, `lmkv bench gds` and `lmkv bench layerwise`. GDS_DIR picks the directory
+# cuFile reads and writes (ext4 or xfs); without it the first such writable mount is taken, else
+# /tmp (then the report says why GDS did not run there). GDS_UDEV_ENTRY=1: see below (the device
+# tool's VM needs it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-/tmp/lmkv-gpu}}
@@ -109,6 +111,9 @@ timeout 180 $PY -m pytest -q -p no:cacheprovider -o addopts="" --basetemp "$GDS_
     tests/test_cuda_kernels.py tests/test_gpu_digests.py tests/test_gds.py tests/test_worker.py >"$OUT/pytest.log" 2>&1
 say "pytest rc=$?"
 tail -3 "$OUT/pytest.log" | tee -a "$LOG"
+say "stream waits"
+timeout 60 $PY scripts/gpu_stream_waits.py >"$OUT/stream-waits.txt" 2>&1; say "rc=$?"
+grep -c WAITED "$OUT/stream-waits.txt" | sed 's/^/calls that waited: /' | tee -a "$LOG"
 say "bench copy"
 timeout 60 $PY -m lmkv.cli bench copy --json >"$OUT/bench-copy.json" 2>>"$LOG"; say "rc=$?"
 say "bench gds"
