@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from lmkv.kernels import _device_int64, _stream, block_copy, block_shape, to_device
+from lmkv.kernels.streams import Streams
 
 SLEEP_CYCLES = 500_000_000  # ~0.25 s on an H100/H200
+
+
+def timed_call(name: str, fn, busy: torch.cuda.Stream) -> None:
+    """Run ``fn``; say how long it took and whether ``busy`` had drained by then."""
+    t0 = time.perf_counter()
+    fn()
+    took = time.perf_counter() - t0
+    print(f"{'WAITED' if busy.query() else 'ok':6s} {took * 1e3:8.2f} ms  {name}", flush=True)
 
 
 def probe(name: str, fn, stream: torch.cuda.Stream | None = None) -> None:
@@ -25,12 +33,8 @@ def probe(name: str, fn, stream: torch.cuda.Stream | None = None) -> None:
     torch.cuda.synchronize()
     with torch.cuda.stream(s):
         torch.cuda._sleep(SLEEP_CYCLES)
-        t0 = time.perf_counter()
-        fn()
-        took = time.perf_counter() - t0
-        drained = s.query()
+        timed_call(name, fn, s)
     torch.cuda.synchronize()
-    print(f"{'WAITED' if drained else 'ok':6s} {took * 1e3:8.2f} ms  {name}", flush=True)
 
 
 def main() -> None:
@@ -38,10 +42,8 @@ def main() -> None:
     torch.cuda.synchronize()
     print("-- single calls, each on a fresh stream with ~0.25 s queued ahead")
     probe("torch.empty(256) (a new stream's first small block)", lambda: torch.empty(256, device=dev))
-    warm = torch.cuda.Stream()
-    with torch.cuda.stream(warm):
-        torch.empty(1, device=dev)
-    probe("torch.empty(256) on a stream that allocated before", lambda: torch.empty(256, device=dev), warm)
+    warm = Streams.new([dev]).by_device[dev]  # (a copy stream as the worker makes it: memory set aside)
+    probe("torch.empty(256) on a new copy stream (Streams.new)", lambda: torch.empty(256, device=dev), warm)
     probe("torch.empty(64 MiB) (a large block)", lambda: torch.empty(64 << 20, dtype=torch.uint8, device=dev))
     probe("pinned host tensor of a size not used before", lambda: torch.empty(12345, pin_memory=True))
     probe("to_device(256 ints)", lambda: to_device(list(range(256)), dev))
@@ -65,7 +67,6 @@ def main() -> None:
     probe("block_copy launch, indices included", launch)
     print("-- a layerwise load of memory hits, hook by hook (the copy stream held ~0.25 s first)")
     load_hooks(dev)
-    print(f"numpy {np.__version__}, torch {torch.__version__}")
 
 
 def load_hooks(dev: torch.device) -> None:
@@ -98,10 +99,7 @@ def load_hooks(dev: torch.device) -> None:
         calls = [("start_loads", r.start_loads)]
         calls += [(f"before_layer({n})", lambda n=n: r.before_layer(n)) for n in names]
         for name, fn in calls:
-            t0 = time.perf_counter()
-            fn()
-            took = time.perf_counter() - t0
-            print(f"{'WAITED' if step.query() else 'ok':6s} {took * 1e3:8.2f} ms  {name}", flush=True)
+            timed_call(name, fn, step)
         r.end()
         torch.cuda.synchronize()
         print("errors:", r.take_errors() or "none")
