@@ -134,7 +134,7 @@ def test_a_layerwise_loads_spans_read_in_one_get_session(tier, layout, monkeypat
     real = tier._client()
     calls: list[tuple[str, list[str]]] = []
 
-    class Counting:  # (Mooncake's client takes no new attributes: count through a proxy)
+    class Counting:  # (counts the session calls, passes every call on)
         def __getattr__(self, name):
             f = getattr(real, name)
             if not name.startswith("batch_get_session"):
@@ -210,6 +210,54 @@ def test_a_stalled_master_costs_one_timeout_then_fails_fast(layout):
             time.sleep(0.1)
         assert t.health.up and t.contains(keys) == [True, True]
         t.close()
+
+
+CLOSER = textwrap.dedent("""
+    import signal, sys, time, numpy as np
+    sys.path.insert(0, "tests")
+    from conftest import make_pages
+    from lmkv.config import RemoteConfig
+    from lmkv.dev.mooncake_master import start_master, start_storage
+    from lmkv.errors import TierUnavailableError
+    from lmkv.layout import attention_layout
+    from lmkv.tiers.mooncake import MooncakeTier
+    layout = attention_layout("attn", num_layers=4, tokens_per_page=32, num_kv_heads=2, head_size=64,
+                              dtype_bytes=2, dtype="bfloat16")
+    with start_master() as m, start_storage(m, 64 << 20):
+        t = MooncakeTier(RemoteConfig(url=m.url, timeout=0.5, mooncake={
+            "segment_size": 0, "local_buffer_size": 16 << 20, "staging_size": 8 << 20}))
+        keys, _, pages = make_pages(layout, 16, seed=8)
+        assert t.put(pages, "engine") == [True] * 16
+        client = t._client()
+        m.signal(signal.SIGSTOP)
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        try:
+            t.get(keys, layout, outs)
+        except TierUnavailableError:
+            print("given up", flush=True)
+        m.signal(signal.SIGCONT)
+        t.close()  # (the read given up on is still inside Mooncake)
+        print("closed", client._calls, flush=True)
+        try:
+            client.batch_is_exist(["x"])
+        except RuntimeError:
+            print("refused", flush=True)
+        deadline = time.monotonic() + 20
+        while client._calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        print("survived", client._calls, flush=True)
+""")
+
+
+def test_a_tier_closed_while_a_call_given_up_on_is_in_flight_closes_its_client_once_that_call_returns():
+    """A read given up on as the master stalls is still inside Mooncake when the tier closes (an
+    engine shutting down just as the master came back): closing Mooncake's client under that call
+    crashed the process (SIGSEGV); the client is closed once it returns, and refuses calls
+    meanwhile. (In a child process: the crash would take pytest with it.)"""
+    done = subprocess.run([sys.executable, "-c", CLOSER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:4] == ["given up", "closed 1", "refused", "survived 0"]
 
 
 def test_pages_move_between_mooncake_and_the_arena_directly_and_a_call_given_up_on_keeps_its_slots(layout):
@@ -459,7 +507,7 @@ def test_a_steps_pages_stream_to_mooncake_layer_by_layer_and_are_readable_only_o
         real = mc._store
         calls: list[str] = []
 
-        class Counting:  # (Mooncake's client takes no new attributes: count through a proxy)
+        class Counting:  # (counts the put calls, passes every call on)
             def __getattr__(self, name):
                 f = getattr(real, name)
                 return (lambda *a: calls.append(name) or f(*a)) if name.startswith("batch_put") else f

@@ -42,7 +42,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -56,6 +56,7 @@ from lmkv.page import ALIGN, PageHeader, header_bytes, units_in_ranges
 from lmkv.tiers.allocator import RoomBefore
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
+from lmkv.tiers.mooncake_client import MooncakeClient
 from lmkv.tiers.mooncake_puts import PutStream
 from lmkv.tiers.quarantine import Quarantine, lendable
 from lmkv.tiers.remote import STREAMS_OPEN, Checked, HeaderCache, RemoteTier, batches
@@ -126,7 +127,7 @@ class MooncakeTier(RemoteTier):
         self._streamer = threads.pool(1, "lmkv-mooncake-stream")  # every put session's calls, in order
         self._stream_headers = np.zeros(STREAM_HEADER_BYTES, np.uint8)
         self._lock = threading.Lock()
-        self._store: Any = None  # the connected client (MooncakeDistributedStore)
+        self._store: MooncakeClient | None = None  # the connected client
         self._connecting: Future | None = None
         self._staging = np.zeros(int(self.mc.staging_size), np.uint8)
         self._staging_lock = threading.Lock()
@@ -203,13 +204,13 @@ class MooncakeTier(RemoteTier):
                         self.name, self._arena.nbytes)
             self._arena = None
         with self._lock:
-            self._store = store
+            self._store = MooncakeClient(store)
         with self._sessions_lock:  # (a new client has no get session: its objects start afresh)
             self._session_keys.clear()
         log.info("lmkv: %s tier connected to master %s", self.name, self.master)
-        return store
+        return self._store
 
-    def _client(self):
+    def _client(self) -> MooncakeClient:
         """The connected client; while there is none, a connection is started (one at a time) and
         waited for at most ``remote.connect_timeout``."""
         with self._lock:
@@ -621,18 +622,21 @@ class MooncakeTier(RemoteTier):
     def close(self) -> None:
         super().close()
         with self._lock:
-            store, self._store = self._store, None
-        if store is not None:
+            client, self._store = self._store, None
+        if client is not None:
             with self._sessions_lock:
                 names, self._session_keys = list(self._session_keys), OrderedDict()
-            self._end(store, names)
-            try:
-                store.unregister_buffer(self._staging.ctypes.data)
-                store.unregister_buffer(self._stream_headers.ctypes.data)
-                if self._arena is not None:
-                    store.unregister_buffer(self._arena.ctypes.data)
-                store.close()
-            except (RuntimeError, ValueError) as err:
-                log.info("lmkv: %s tier: closing the client: %s", self.name, err)
+            buffers = [b for b in (self._staging, self._stream_headers, self._arena) if b is not None]
+
+            def last(store) -> None:  # (once no call is in flight: see lmkv.tiers.mooncake_client)
+                try:
+                    if names:
+                        store.batch_get_session_end(names)
+                    for b in buffers:
+                        store.unregister_buffer(b.ctypes.data)
+                finally:
+                    store.close()
+
+            client.close(last)
         self._streamer.shutdown(wait=False, cancel_futures=True)
         self._calls.shutdown(wait=False, cancel_futures=True)
