@@ -11,7 +11,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from support.vllm_engine import BLOCK, engine, generate, lmkv_stats, prompt, run, scraped  # noqa: E402
+from support.vllm_engine import (  # noqa: E402
+    BLOCK,
+    engine,
+    generate,
+    lmkv_stats,
+    prompt,
+    run,
+    scheduler_stats,
+    scraped,
+)
 
 from lmkv.dev.tinymodels import make_llama  # noqa: E402
 
@@ -171,10 +180,13 @@ def test_two_engines_share_pages_through_the_lmkv_server(model, multiprocess):
         cfg = {"memory": {"capacity": "256MiB"}, "remote": {"url": server.url}, "layerwise_span": 1}
         with engine(model, lmkv=cfg, multiprocess=multiprocess) as first:
             expected = generate(first, [p])
+            wrote = lmkv_stats(first)["tiers"]
         with engine(model, lmkv=cfg, multiprocess=multiprocess) as second:
             assert generate(second, [p]) == expected
             stats = lmkv_stats(second)
-            assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9
+            # (what each side saw, should it ever miss: the writer's tiers, the reader's lookups)
+            seen = {"first": wrote, "second": stats, "scheduler": scheduler_stats(second)}
+            assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9, seen
             assert stats["tiers"]["server"]["hits"] == 9
 
 

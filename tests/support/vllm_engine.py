@@ -83,6 +83,15 @@ def lmkv_stats(llm) -> dict:
     return llm.collective_rpc("lmkv_stats")[0]
 
 
+def scheduler_stats(llm) -> dict | None:
+    """lmkv's scheduler-side counts (lookups, those answered locally as a tier was presumed stalled)
+    of an in-process engine; None for a multiprocess one (its scheduler lives in another process)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    connector = getattr(getattr(core, "scheduler", None), "connector", None)
+    lmkv = getattr(connector, "scheduler", None)
+    return None if lmkv is None else dict(vars(lmkv.stats))
+
+
 def prompt(n: int, seed: int) -> list[int]:
     return [(i * 37 + seed * 101) % 1000 + 3 for i in range(n)]
 
