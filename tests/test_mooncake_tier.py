@@ -212,6 +212,28 @@ def test_a_stalled_master_costs_one_timeout_then_fails_fast(layout):
         t.close()
 
 
+def test_a_tier_closed_while_it_connects_keeps_no_client(master):
+    """``close`` while the client is being set up: the new client is closed as soon as it is ready,
+    and the closed tier neither holds one nor starts connecting again."""
+    from concurrent.futures import CancelledError
+    from concurrent.futures import wait as futures_wait
+
+    t = _tier(master.url)
+    t.connect_soon()
+    connecting = t._connecting
+    assert connecting is not None
+    t.close()
+    futures_wait([connecting], timeout=30)
+    assert connecting.done()
+    with pytest.raises((CancelledError, TierUnavailableError)):  # (no client set up on a closed tier)
+        connecting.result()
+    assert t._store is None and not t.connected
+    t.connect_soon()
+    assert t._connecting is connecting
+    with pytest.raises(TierUnavailableError):
+        t.contains([b"\0" * 16])
+
+
 CLOSER = textwrap.dedent("""
     import signal, sys, time, numpy as np
     sys.path.insert(0, "tests")

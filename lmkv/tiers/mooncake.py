@@ -128,6 +128,7 @@ class MooncakeTier(RemoteTier):
         self._stream_headers = np.zeros(STREAM_HEADER_BYTES, np.uint8)
         self._lock = threading.Lock()
         self._store: MooncakeClient | None = None  # the connected client
+        self._closed = False
         self._connecting: Future | None = None
         self._staging = np.zeros(int(self.mc.staging_size), np.uint8)
         self._staging_lock = threading.Lock()
@@ -204,11 +205,14 @@ class MooncakeTier(RemoteTier):
                         self.name, self._arena.nbytes)
             self._arena = None
         with self._lock:
-            self._store = MooncakeClient(store)
+            if self._closed:  # (closed while this connected: the new client goes too)
+                store.close()
+                raise TierUnavailableError(f"{self.name}: closed")
+            self._store = client = MooncakeClient(store)
         with self._sessions_lock:  # (a new client has no get session: its objects start afresh)
             self._session_keys.clear()
         log.info("lmkv: %s tier connected to master %s", self.name, self.master)
-        return self._store
+        return client
 
     def _client(self) -> MooncakeClient:
         """The connected client; while there is none, a connection is started (one at a time) and
@@ -216,6 +220,8 @@ class MooncakeTier(RemoteTier):
         with self._lock:
             if self._store is not None:
                 return self._store
+            if self._closed:
+                raise TierUnavailableError(f"{self.name}: closed")
             fut = self._start_connecting()
         try:
             return fut.result(timeout=self.cfg.connect_timeout)
@@ -230,7 +236,7 @@ class MooncakeTier(RemoteTier):
 
     def connect_soon(self) -> None:
         with self._lock:
-            if self._store is None:
+            if self._store is None and not self._closed:
                 self._start_connecting()
 
     def _start_connecting(self) -> Future:
@@ -622,7 +628,7 @@ class MooncakeTier(RemoteTier):
     def close(self) -> None:
         super().close()
         with self._lock:
-            client, self._store = self._store, None
+            client, self._store, self._closed = self._store, None, True
         if client is not None:
             with self._sessions_lock:
                 names, self._session_keys = list(self._session_keys), OrderedDict()
