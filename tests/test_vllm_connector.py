@@ -204,10 +204,12 @@ def test_two_engines_share_pages_through_a_network_store(model, tier, request):
     cfg = {"memory": {"capacity": "256MiB"}, "remote": {**remote, "key_prefix": "e2e:"}, "layerwise_span": 1}
     with engine(model, lmkv=cfg) as first:
         expected = generate(first, [p])
+        wrote = lmkv_stats(first)["tiers"]
     with engine(model, lmkv=cfg) as second:
         assert generate(second, [p]) == expected
         stats = lmkv_stats(second)
-        assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9
+        seen = {"first": wrote, "second": stats, "scheduler": scheduler_stats(second)}
+        assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9, seen
         assert stats["tiers"][tier]["hits"] == 9
 
 
