@@ -42,7 +42,7 @@ SCHEDULER_DOCS = {
     "lookups_timed_out": "lookups a network tier did not answer within remote.lookup_timeout (the request ran "
                          "without it)",
     "lookups_local_only": "lookups that asked only this process's tiers because a network tier had not answered "
-                          "another lookup for 50 ms (presumed stalled)",
+                          "another lookup for 50 ms, 250 ms before any had answered (presumed stalled)",
     "handoffs_short": "consumer requests whose announced pages had not all come within pd.wait",
     "handoff_wait_ms": "milliseconds consumer requests waited for the pages a producer announced, summed",
 }

@@ -332,6 +332,37 @@ def test_a_lookup_given_up_on_is_no_measure_of_the_networks_pace():
         lookups.close()
 
 
+def test_before_any_lookup_has_answered_a_stall_takes_longer_to_presume():
+    """A fresh engine's first lookups pay one-time costs: one unanswered for more than STALL_S, but
+    less than STALL_FIRST_S, is not yet a stall (a vLLM CPU engine's first lookup of a healthy
+    same-host server went unanswered for 55 ms, and its request missed the server's pages). Once a
+    lookup has answered, STALL_S applies."""
+    import threading
+
+    from lmkv.engine.lookups import STALL_FIRST_S, STALL_S, AsyncLookups
+
+    lookups = AsyncLookups(timeout=5)
+    hang = threading.Event()
+    try:
+        assert lookups.result("first", 0, lambda: hang.wait(5)) is NOT_YET
+        time.sleep(STALL_S * 2)
+        assert not lookups.stalled()
+        time.sleep(STALL_FIRST_S)
+        assert lookups.stalled()  # (a tier stalled from the start costs the first request this once)
+        hang.set()
+        while lookups.result("first", 0, lambda: None) is NOT_YET:
+            time.sleep(0.005)
+        for i in range(3):  # (quick answers: the slow first one does not set the bar)
+            assert lookups.result(f"q{i}", 0, lambda: 0) == 0
+        hang.clear()
+        assert lookups.result("second", 0, lambda: hang.wait(5)) is NOT_YET
+        time.sleep(STALL_S * 2)
+        assert lookups.stalled()
+    finally:
+        hang.set()
+        lookups.close()
+
+
 def test_a_stalled_network_tier_never_stalls_the_scheduler(model_config, silent_listener):
     """A tier that accepts and never answers: a waiting request's lookup is "not yet", then (the
     tier presumed stalled) it asks local tiers only and runs; meanwhile a running request goes on

@@ -9,9 +9,10 @@ request waits, the step runs without it, and the next step asks for the result a
 that has not answered by its deadline (``remote.lookup_timeout``) is a miss: the request runs
 and computes its prefix. Its thread is left to finish (a tier's own timeout bounds it).
 
-A lookup still unanswered after :data:`STALL_S`, or after several times what lookups have
-lately taken on a slower network (lookups answered while a request still waited for them: one
-given up on was a stall, not the network's pace), means the network is stalled: until the lookups in flight
+A lookup still unanswered after :data:`STALL_S` (:data:`STALL_FIRST_S` before any has answered),
+or after several times what lookups have lately taken on a slower network (lookups answered while
+a request still waited for them: one given up on was a stall, not the network's pace), means the
+network is stalled: until the lookups in flight
 have answered, a request asks only the tiers in this process (its ``fallback``) and runs at
 once, so a stalled tier delays each request by a moment, not by ``remote.lookup_timeout`` each
 in turn. A request that waits for pages it was promised (a P/D consumer's) keeps asking, within
@@ -38,6 +39,11 @@ T = TypeVar("T")
 INLINE_WAIT_S = 0.002
 #: how long a lookup may go unanswered before the network is presumed stalled
 STALL_S = 0.05
+#: the same while no lookup has answered yet: an engine's first lookups pay one-time costs, and
+#: there is no measure yet of what the network takes (a fresh vLLM CPU engine's first lookup of a
+#: healthy same-host server went unanswered for 55 ms, and was then a miss for pages the server
+#: held); a tier stalled from the start costs the first request this long, once
+STALL_FIRST_S = 0.25
 #: a lookup is presumed stalled past this many times the median of recent lookups' durations
 STALL_FACTOR = 8
 #: how many recent durations that median is over
@@ -108,10 +114,10 @@ class AsyncLookups:
     def stalled(self) -> bool:
         """Whether a lookup has gone unanswered for :data:`STALL_S`, or for :data:`STALL_FACTOR`
         times the median of recent lookups if that is longer (a healthy slow network is not
-        stalled)."""
+        stalled); before any lookup has answered, for :data:`STALL_FIRST_S`."""
         with self._lock:
-            typical = statistics.median(self._took) if self._took else 0.0
-            since = time.monotonic() - max(STALL_S, STALL_FACTOR * typical)
+            bar = max(STALL_S, STALL_FACTOR * statistics.median(self._took)) if self._took else STALL_FIRST_S
+            since = time.monotonic() - bar
             return any(t < since for t in self._in_flight.values())
 
     def _submit(self, find: Callable[[], T]) -> Future:
