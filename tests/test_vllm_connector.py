@@ -170,6 +170,16 @@ def test_fresh_engine_over_the_same_disk_tier(model, tmp_path):
         assert scraped("vllm:lmkv_recomputed_tokens_total") == 0
 
 
+def _served_from_the_shared_tier(reader, wrote: dict, tier: str, pages: int) -> None:
+    """The second engine loaded all ``pages`` of its prompt, layer by layer, from ``tier``; should it
+    ever miss, the message says what each side saw: the writer's tiers (``wrote``), the reader's
+    stats and its scheduler's lookups."""
+    stats = lmkv_stats(reader)
+    seen = {"first": wrote, "second": stats, "scheduler": scheduler_stats(reader)}
+    assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == pages, seen
+    assert stats["tiers"][tier]["hits"] == pages
+
+
 @pytest.mark.parametrize("multiprocess", [False, True])
 def test_two_engines_share_pages_through_the_lmkv_server(model, multiprocess):
     """Engine A fills the server; engine B, started after A is gone, is served from it."""
@@ -183,11 +193,7 @@ def test_two_engines_share_pages_through_the_lmkv_server(model, multiprocess):
             wrote = lmkv_stats(first)["tiers"]
         with engine(model, lmkv=cfg, multiprocess=multiprocess) as second:
             assert generate(second, [p]) == expected
-            stats = lmkv_stats(second)
-            # (what each side saw, should it ever miss: the writer's tiers, the reader's lookups)
-            seen = {"first": wrote, "second": stats, "scheduler": scheduler_stats(second)}
-            assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9, seen
-            assert stats["tiers"]["server"]["hits"] == 9
+            _served_from_the_shared_tier(second, wrote, "server", 9)
 
 
 @pytest.mark.parametrize("tier", ["redis", "mooncake"])
@@ -207,10 +213,7 @@ def test_two_engines_share_pages_through_a_network_store(model, tier, request):
         wrote = lmkv_stats(first)["tiers"]
     with engine(model, lmkv=cfg) as second:
         assert generate(second, [p]) == expected
-        stats = lmkv_stats(second)
-        seen = {"first": wrote, "second": stats, "scheduler": scheduler_stats(second)}
-        assert stats["transfers"]["loaded_pages"] == stats["transfers"]["layerwise_pages"] == 9, seen
-        assert stats["tiers"][tier]["hits"] == 9
+        _served_from_the_shared_tier(second, wrote, tier, 9)
 
 
 def test_a_same_host_server_stalled_mid_load_changes_no_page_the_engine_is_served(model, monkeypatch):

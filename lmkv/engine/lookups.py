@@ -12,11 +12,10 @@ and computes its prefix. Its thread is left to finish (a tier's own timeout boun
 A lookup still unanswered after :data:`STALL_S` (:data:`STALL_FIRST_S` before any has answered),
 or after several times what lookups have lately taken on a slower network (lookups answered while
 a request still waited for them: one given up on was a stall, not the network's pace), means the
-network is stalled: until the lookups in flight
-have answered, a request asks only the tiers in this process (its ``fallback``) and runs at
-once, so a stalled tier delays each request by a moment, not by ``remote.lookup_timeout`` each
-in turn. A request that waits for pages it was promised (a P/D consumer's) keeps asking, within
-its own deadline.
+network is stalled: until the lookups in flight have answered, a request asks only the tiers in
+this process (its ``fallback``) and runs at once, so a stalled tier delays each request by a
+moment, not by ``remote.lookup_timeout`` each in turn. A request that waits for pages it was
+promised (a P/D consumer's) keeps asking, within its own deadline.
 """
 
 from __future__ import annotations

@@ -636,8 +636,7 @@ class MooncakeTier(RemoteTier):
 
             def last(store) -> None:  # (once no call is in flight: see lmkv.tiers.mooncake_client)
                 try:
-                    if names:
-                        store.batch_get_session_end(names)
+                    self._end(store, names)
                     for b in buffers:
                         store.unregister_buffer(b.ctypes.data)
                 finally:
