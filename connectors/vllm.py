@@ -61,6 +61,31 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lmkv.vllm")
 
+
+class _ToVllmHandlers(logging.Handler):
+    """Hands lmkv's records to the handlers vLLM's ``vllm`` logger has at the time (vLLM may
+    configure its logging again in a process, replacing them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _log_through_vllm() -> None:
+    """lmkv's log lines go where vLLM's go, at vLLM's level (``VLLM_LOGGING_LEVEL``): vLLM gives
+    handlers to its own ``vllm`` logger only, and without this lmkv's INFO lines (a hand-off that
+    came short, a put session given up on) would be dropped by Python's last-resort handler.
+    Left alone where the application configured logging itself (handlers on the root logger or
+    lmkv's), or vLLM's logging is off (``VLLM_CONFIGURE_LOGGING=0``). Called as the connector
+    is made: vLLM has configured its logging in the process by then."""
+    ours, theirs = logging.getLogger("lmkv"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    ours.addHandler(_ToVllmHandlers())
+    ours.setLevel(theirs.getEffectiveLevel())
+
+
 @dataclass
 class LMKVConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side sends the workers each step: the step's plan (loads, stores, drops)."""
@@ -170,6 +195,7 @@ class LMKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.cfg = _config(extra)
         model = vllm_config.model_config

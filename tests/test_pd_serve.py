@@ -73,10 +73,12 @@ def test_prefill_and_decode_engines_hand_prompts_off_through_a_shared_tier(tmp_p
             expected = [p.complete(ids, salt=f"cold-{i}")[0] for i, ids in enumerate(prompts)]  # (no hit anywhere)
             assert [via.complete(ids)[0] for ids in prompts] == expected
             pages = sum((len(ids) - 1) // BLOCK for ids in prompts)
-            assert d.metric("vllm:lmkv_scheduler_handoffs_short_total") == 0
-            assert d.metric("vllm:lmkv_loaded_pages_total") == pages
-            assert d.metric("vllm:lmkv_recomputed_tokens_total") == 0
-            assert d.metric("vllm:lmkv_stored_pages_total") == 0  # (8 decoded tokens fill no block)
+            # (what each side counted and logged, should a check fail)
+            seen = {"prefill": (p.metrics(), p.lmkv_lines()), "decode": (d.metrics(), d.lmkv_lines())}
+            assert d.metric("vllm:lmkv_scheduler_handoffs_short_total") == 0, seen
+            assert d.metric("vllm:lmkv_loaded_pages_total") == pages, seen
+            assert d.metric("vllm:lmkv_recomputed_tokens_total") == 0, seen
+            assert d.metric("vllm:lmkv_stored_pages_total") == 0, seen  # (8 decoded tokens fill no block)
         finally:
             proxy.shutdown()
             p.stop()

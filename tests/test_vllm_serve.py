@@ -40,6 +40,9 @@ def test_vllm_serve_serves_lmkv_hits_across_a_reset_and_a_restart(model, tmp_pat
         srv.wait_ready()
         after, _ = srv.complete(ids)
         assert after == cold
+        # lmkv's INFO lines are in vLLM's log, as vLLM's are (its engine and worker processes each say the layout)
+        said = srv.lmkv_lines()
+        assert sum("INFO" in line and "lmkv: group0: full_attention" in line for line in said) >= 2, said
         assert srv.metric("vllm:lmkv_tier_hits_total", tier="disk") >= pages
         assert srv.metric("vllm:lmkv_loaded_pages_total") >= pages
     finally:

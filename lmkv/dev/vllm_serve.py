@@ -50,12 +50,26 @@ class Client:
         return out["choices"][0]["token_ids"], time.perf_counter() - t
 
     def metric(self, name: str, **labels: str) -> float:
+        return sum(v for (n, got), v in self._samples()
+                   if n == name and all(got.get(k) == want for k, want in labels.items()))
+
+    def metrics(self, prefix: str = "vllm:lmkv_") -> dict[str, float]:
+        """Every nonzero sample whose name begins with ``prefix``, named with its own labels (not
+        vLLM's engine labels): what a test prints when a figure is off."""
+        out: dict[str, float] = {}
+        for (name, labels), v in self._samples():
+            if name.startswith(prefix) and v:
+                own = ",".join(f"{k}={labels[k]}" for k in ("tier", "direction", "decision") if k in labels)
+                key = f"{name}{{{own}}}" if own else name
+                out[key] = out.get(key, 0) + v
+        return out
+
+    def _samples(self) -> list[tuple[tuple[str, dict[str, str]], float]]:
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
-        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return [((s.name, s.labels), s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
 def _nice_session(pid: int, nice: int) -> None:
@@ -97,6 +111,10 @@ class Serve(Client):
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def lmkv_lines(self) -> list[str]:
+        """lmkv's own log lines in the engine's output (what a test prints when a figure is off)."""
+        return [line for line in self.output().splitlines() if "] lmkv: " in line]
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout

@@ -34,6 +34,7 @@ them like any other store. A finished request's blocks simply join that queue.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -60,6 +61,8 @@ POLL_FIRST_S = 0.002
 POLL_MAX_S = 0.025
 #: a pause looks this often for a request that came in meanwhile (see :meth:`OffloadScheduler.pause_idle`)
 ARRIVAL_POLL_S = 0.002
+
+log = logging.getLogger(__name__)
 
 
 def _state_block(blocks: Sequence[int]) -> int | None:
@@ -262,6 +265,7 @@ class OffloadScheduler:
             return None  # (waiting for announced pages: not asking again yet)
         end = max_pages
         found: tuple[int, dict[str, int]] | Verdict
+        unanswered = False  # (a network tier had not answered by the end of the wait)
         if self._lookups is None:
             found = self._find(st, tokens, local, end)
         else:
@@ -269,6 +273,7 @@ class OffloadScheduler:
             found = self._lookups.result(st.req_id, (local, end), lambda: self._find(st, tokens, local, end),
                                          None if patient else lambda: self._find_local(st, tokens, local, end))
             if found is NOT_YET:
+                unanswered = True
                 if not (st.expect_pages and time.monotonic() >= st.wait_until):
                     return None
                 self._lookups.forget(st.req_id)  # (the wait for announced pages bounds its lookup too)
@@ -289,6 +294,9 @@ class OffloadScheduler:
                         self._pull(st, local, hit)
                     return None
                 self.stats.handoffs_short += 1
+                log.info("lmkv: request %s: %d of the %d pages its producer announced came within pd.wait (%.1f s, "
+                         "%d polls%s); it computes the rest", st.req_id, local + hit, min(st.expect_pages, end),
+                         self.pd.wait, st.polls, ", its last lookup unanswered" if unanswered else "")
             self.stats.handoff_wait_ms += round((now - st.wait_until + self.pd.wait) * 1000)
             st.expect_pages = 0  # (waited for once)
         st.async_load = self.loads_async(below)

@@ -140,7 +140,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         finally:
             self._indexed.set()
         if found:
-            log.info("disk tier %s: %d pages, %d bytes indexed in %.1f s", self.root, len(found), self._used,
+            log.info("lmkv: disk tier %s: %d pages, %d bytes indexed in %.1f s", self.root, len(found), self._used,
                      time.monotonic() - t0)
 
     def wait_indexed(self, timeout: float | None = None) -> bool:
