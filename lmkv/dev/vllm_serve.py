@@ -58,7 +58,7 @@ class Client:
         vLLM's engine labels): what a test prints when a figure is off."""
         out: dict[str, float] = {}
         for (name, labels), v in self._samples():
-            if name.startswith(prefix) and v:
+            if name.startswith(prefix) and not name.endswith("_created") and v:  # (not a counter's birth time)
                 own = ",".join(f"{k}={labels[k]}" for k in ("tier", "direction", "decision") if k in labels)
                 key = f"{name}{{{own}}}" if own else name
                 out[key] = out.get(key, 0) + v
