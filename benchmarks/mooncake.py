@@ -24,7 +24,8 @@ objects from the same segments, so placement favours neither side. Per round, th
   ``batch_get_into_multi_buffer_ranges`` of the same ranges, then ``batch_get_session_end``), of
   the peer's client (a get session is its client's, per object: the tier's own client ending one
   would end the tier's). lmkv's rounds after the first read as a layerwise load's later spans
-  do: in the get session the first one started, against the headers it kept.
+  do: in the get session the first one started, against the headers it kept. ``.vs_raw_hashed``
+  and ``.unverified`` as for whole gets.
 """
 
 from __future__ import annotations
@@ -148,19 +149,40 @@ def _size(report: Report, tier, raw, peer, reg: np.ndarray, slots: MemorySession
             raise RuntimeError(f"the Mooncake tier missed {got.count(None)} of {n} pages' ranges")
         return gbps(n * (b - a), took)
 
-    def raw_layer() -> float:
+    def ranged() -> None:
         # (a whole ranged read on its own: lmkv's rounds after the first are a layerwise load's later
         # spans, read in the session and against the headers its first round kept)
-        def ranged() -> None:
-            peer.batch_get_session_start(names)
-            peer.batch_get_into_multi_buffer_ranges(names, [[x] for x in ptrs], [[b - a]] * n,
-                                                    [[header_bytes(lay) + a]] * n)
-            peer.batch_get_session_end(names)
+        peer.batch_get_session_start(names)
+        peer.batch_get_into_multi_buffer_ranges(names, [[x] for x in ptrs], [[b - a]] * n,
+                                                [[header_bytes(lay) + a]] * n)
+        peer.batch_get_session_end(names)
 
+    def raw_layer() -> float:
         return gbps(n * (b - a), timed(ranged))
 
-    ours, base = interleaved(rounds, layer, raw_layer)
+    in_range = [slice(u.start - a, u.stop - a) for u in lay.unit_slices if a <= u.start and u.stop <= b]
+
+    def raw_layer_hashed() -> float:
+        def go() -> None:
+            ranged()
+            landed = reg.data
+            for i in range(n):
+                got = landed[i * obj : i * obj + (b - a)]
+                for u in in_range:
+                    xxhash.xxh3_64_intdigest(got[u])
+
+        return gbps(n * (b - a), timed(go))
+
+    ours, base, hashed = interleaved(rounds, layer, raw_layer, raw_layer_hashed)
     report.add("mooncake.get_layer.2MiB", ours, "GB/s", base, what)
+    report.add("mooncake.get_layer.2MiB.vs_raw_hashed", ours, "GB/s", hashed,
+               "the same ranged raw calls, then xxh3 over every unit of the ranges that landed, same run")
+    tier.verifies = False
+    try:
+        ours, base = interleaved(rounds, layer, raw_layer)
+    finally:
+        tier.verifies = True
+    report.add("mooncake.get_layer.2MiB.unverified", ours, "GB/s", base, what)
 
     def put() -> float:
         fresh = random_keys(n)
