@@ -112,32 +112,18 @@ def _size(report: Report, tier, raw, peer, reg: np.ndarray, slots: MemorySession
     def raw_get() -> float:
         return gbps(n * page, timed(lambda: raw.batch_get_into(names, ptrs, [obj] * n)))
 
-    units = [slice(s.start + header_bytes(lay), s.stop + header_bytes(lay)) for s in lay.unit_slices]
-
     def raw_get_hashed() -> float:
         def go() -> None:
             raw.batch_get_into(names, ptrs, [obj] * n)
-            landed = reg.data  # (a flat byte view: reg is uint8)
-            for i in range(n):
-                got = landed[i * obj : (i + 1) * obj]
-                for u in units:
-                    xxhash.xxh3_64_intdigest(got[u])
+            _hash_units(reg, n, obj, header_bytes(lay), lay.unit_slices)
 
         return gbps(n * page, timed(go))
 
-    ours, base, hashed = interleaved(rounds, get, raw_get, raw_get_hashed)
+    _checked_and_not(report, tier, f"mooncake.get.{label}", rounds, get, raw_get, raw_get_hashed, what,
+                     "the same raw calls, then xxh3 over every unit of the bytes that landed, same run (what "
+                     "verifying costs any reader: the tier's own overhead is the gap)")
     if not all(np.array_equal(o, p) for o, p in zip(outs, payloads)):
         raise RuntimeError("the Mooncake tier read wrong bytes")
-    report.add(f"mooncake.get.{label}", ours, "GB/s", base, what)
-    report.add(f"mooncake.get.{label}.vs_raw_hashed", ours, "GB/s", hashed,
-               "the same raw calls, then xxh3 over every unit of the bytes that landed, same run (what "
-               "verifying costs any reader: the tier's own overhead is the gap)")
-    tier.verifies = False
-    try:
-        ours, base = interleaved(rounds, get, raw_get)
-    finally:
-        tier.verifies = True
-    report.add(f"mooncake.get.{label}.unverified", ours, "GB/s", base, what)
     if label != "2MiB":
         return
     a, b = lay.layer_range(lay.num_layers // 2)
@@ -160,29 +146,17 @@ def _size(report: Report, tier, raw, peer, reg: np.ndarray, slots: MemorySession
     def raw_layer() -> float:
         return gbps(n * (b - a), timed(ranged))
 
-    in_range = [slice(u.start - a, u.stop - a) for u in lay.unit_slices if a <= u.start and u.stop <= b]
+    in_range = [slice(u.start, u.stop) for u in lay.unit_slices if a <= u.start and u.stop <= b]
 
     def raw_layer_hashed() -> float:
         def go() -> None:
             ranged()
-            landed = reg.data
-            for i in range(n):
-                got = landed[i * obj : i * obj + (b - a)]
-                for u in in_range:
-                    xxhash.xxh3_64_intdigest(got[u])
+            _hash_units(reg, n, obj, -a, in_range)
 
         return gbps(n * (b - a), timed(go))
 
-    ours, base, hashed = interleaved(rounds, layer, raw_layer, raw_layer_hashed)
-    report.add("mooncake.get_layer.2MiB", ours, "GB/s", base, what)
-    report.add("mooncake.get_layer.2MiB.vs_raw_hashed", ours, "GB/s", hashed,
-               "the same ranged raw calls, then xxh3 over every unit of the ranges that landed, same run")
-    tier.verifies = False
-    try:
-        ours, base = interleaved(rounds, layer, raw_layer)
-    finally:
-        tier.verifies = True
-    report.add("mooncake.get_layer.2MiB.unverified", ours, "GB/s", base, what)
+    _checked_and_not(report, tier, "mooncake.get_layer.2MiB", rounds, layer, raw_layer, raw_layer_hashed, what,
+                     "the same ranged raw calls, then xxh3 over every unit of the ranges that landed, same run")
 
     def put() -> float:
         fresh = random_keys(n)
@@ -218,3 +192,28 @@ def _size(report: Report, tier, raw, peer, reg: np.ndarray, slots: MemorySession
 
     ours, base = interleaved(rounds, streamed, raw_put)
     report.add("mooncake.put_session.2MiB", ours, "GB/s", base, what)
+
+
+def _hash_units(reg: np.ndarray, n: int, stride: int, shift: int, units) -> None:
+    """xxh3 over ``units`` (slices of a page's payload) of ``n`` objects landed in ``reg`` every
+    ``stride`` bytes, each unit's payload offset ``shift`` bytes from where its object landed."""
+    landed = reg.data  # (a flat byte view: reg is uint8)
+    for i in range(n):
+        at = i * stride + shift
+        for u in units:
+            xxhash.xxh3_64_intdigest(landed[at + u.start : at + u.stop])
+
+
+def _checked_and_not(report: Report, tier, name: str, rounds: int, ours, raw, raw_hashed, what: str,
+                     hashed_what: str) -> None:
+    """``name`` (the tier's verified reads against the raw calls), ``.vs_raw_hashed`` (against the
+    raw calls followed by hashing) and ``.unverified`` (``remote.verify`` off, against the raw calls)."""
+    got, base, hashed = interleaved(rounds, ours, raw, raw_hashed)
+    report.add(name, got, "GB/s", base, what)
+    report.add(f"{name}.vs_raw_hashed", got, "GB/s", hashed, hashed_what)
+    tier.verifies = False
+    try:
+        got, base = interleaved(rounds, ours, raw)
+    finally:
+        tier.verifies = True
+    report.add(f"{name}.unverified", got, "GB/s", base, what)

@@ -5,6 +5,7 @@ stalled costs a bounded wait and the tier comes back, pages another process wrot
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -609,3 +610,20 @@ def test_a_store_connects_to_mooncake_as_it_opens(layout):
             time.sleep(0.01)
         assert store.tiers[-1].connected
         assert store.tiers[-1].stats.puts == store.tiers[-1].stats.hits == store.tiers[-1].stats.misses == 0
+
+
+def test_bench_mooncake_quick_json_shape():
+    """``lmkv bench mooncake``: every figure beside its baseline from the same run, the verified
+    reads also beside the raw calls followed by hashing, and unverified."""
+    out = subprocess.run([sys.executable, "-m", "lmkv.cli", "bench", "mooncake", "--quick", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout)
+    assert report["bench"] == "mooncake" and "skipped" not in report["params"]
+    names = {"mooncake.put.2MiB", "mooncake.put_session.2MiB"}
+    for read in ("mooncake.get.2MiB", "mooncake.get.256KiB", "mooncake.get_layer.2MiB"):
+        names |= {read, f"{read}.vs_raw_hashed", f"{read}.unverified"}
+    assert set(report["metrics"]) == names
+    for m in report["metrics"].values():
+        assert m["unit"] == "GB/s" and m["value"] > 0 and m["baseline"] > 0 and m["baseline_what"]
+        assert m["ratio"] == pytest.approx(m["value"] / m["baseline"])
+    assert "xxh3" in report["metrics"]["mooncake.get_layer.2MiB.vs_raw_hashed"]["baseline_what"]
