@@ -10,6 +10,7 @@ tier, the shared tier of these tests. This file also runs on vLLM 0.33.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -400,9 +401,10 @@ def _wait_to_run(h: Harness, req_id: str, timeout: float = 10) -> float:
     return time.monotonic() - t0
 
 
-def test_a_consumer_waits_no_longer_than_pd_wait_for_a_stalled_tier(model_config, silent_listener):
+def test_a_consumer_waits_no_longer_than_pd_wait_for_a_stalled_tier(model_config, silent_listener, caplog):
     """Promised pages on a tier that stopped answering: the request runs at ``pd.wait``, though
-    its lookup's own deadline (``remote.lookup_timeout``) is far later."""
+    its lookup's own deadline (``remote.lookup_timeout``) is far later; the log says so."""
+    caplog.set_level(logging.INFO, logger="lmkv.engine.scheduler")
     lmkv = {"memory": {"capacity": "64MiB"}, "pd": {"wait": 0.3},
             "remote": {"url": f"lmkv://127.0.0.1:{silent_listener}", "timeout": 10, "lookup_timeout": 5,
                        "shm": "never"}}
@@ -414,6 +416,9 @@ def test_a_consumer_waits_no_longer_than_pd_wait_for_a_stalled_tier(model_config
         assert 0.3 <= waited < 0.8, waited
         _run_until(d, b)
         assert d.connector_stats.get("scheduler.handoffs_short") == 1
+        said = [r.getMessage() for r in caplog.records if "came within pd.wait" in r.getMessage()]
+        assert len(said) == 1 and f"request b: 0 of the {PAGES} pages" in said[0], said
+        assert "its last lookup unanswered" in said[0]
         d.check_kv(b, PROMPT + 1)
     finally:
         d.close()
@@ -443,9 +448,10 @@ def test_requests_over_a_stalled_tier_wait_a_moment_not_each_a_lookup_timeout(mo
         h.close()
 
 
-def test_a_consumer_loads_the_pages_that_came_and_computes_exactly_the_rest(model_config, tmp_path):
+def test_a_consumer_loads_the_pages_that_came_and_computes_exactly_the_rest(model_config, tmp_path, caplog):
     """The producer died after storing 3 of the 6 pages it would have announced: the consumer
     waits out ``pd.wait``, loads those 3 and computes the prompt's other tokens."""
+    caplog.set_level(logging.INFO, logger="lmkv.engine.scheduler")
     with _pair(model_config, tmp_path, consumer={"pd": {"wait": 0.3}}) as (p, d):
         prompt, came = tokens(PROMPT, 12), 3
         p.run(p.request("a", prompt[: came * BLOCK], max_tokens=1))
@@ -458,6 +464,9 @@ def test_a_consumer_loads_the_pages_that_came_and_computes_exactly_the_rest(mode
         assert d.connector_stats.get("scheduler.loaded_tokens") == came * BLOCK
         assert d.connector_stats.get("scheduler.handoffs_short") == 1
         assert 300 <= d.connector_stats.get("scheduler.handoff_wait_ms", 0) < 1000
+        said = [r.getMessage() for r in caplog.records if "came within pd.wait" in r.getMessage()]
+        assert len(said) == 1 and f"request b: {came} of the {PAGES} pages" in said[0], said
+        assert "unanswered" not in said[0]
         assert not d.served_wrong_kv
         d.check_kv(b, PROMPT + 2)
 
