@@ -89,7 +89,7 @@ class HostArena:
                 if why is not None and pin == "always":
                     raise ValueError(f"memory.pin = 'always': the arena could not be page-locked ({why})")
                 if why is not None:
-                    log.warning("host arena: not page-locked (%s); GPU copies go through torch", why)
+                    log.warning("lmkv: host arena: not page-locked (%s); GPU copies go through torch", why)
                 self.pinned = why is None
         # (page-locked memory is mapped already)
         self.prefault = Prefault(self.buf, "lmkv-arena-populate", capacity if self.pinned else 0)

@@ -134,7 +134,7 @@ class DiskTier(LocalTier, ReadsInPlace):
                         self._index_file(key, domain, size)
             remove_dead_logs(self._log.dir)
         except OSError as err:
-            log.warning("disk tier %s: indexing the files failed (%s); pages not indexed are looked for "
+            log.warning("lmkv: disk tier %s: indexing the files failed (%s); pages not indexed are looked for "
                         "on disk", self.root, err)
             return
         finally:
@@ -252,7 +252,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         with self._lock:
             self._forget(key)
             self.stats.corrupt += 1
-        log.warning("disk tier: discarded page %s: %s", key_hex(key), why)
+        log.warning("lmkv: disk tier: discarded page %s: %s", key_hex(key), why)
 
     def _reserve(self, nbytes: int, account: str, pages: int = 1) -> bool:
         """Under the lock: room for ``pages`` pages of ``nbytes`` in all, charged to ``account``:
@@ -331,7 +331,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         except OSError as err:
             self.stats.errors += 1
             self.stats.misses += 1
-            log.warning("disk tier: reading %s failed: %s", key_hex(key), err)
+            log.warning("lmkv: disk tier: reading %s failed: %s", key_hex(key), err)
             return None
         finally:
             os.close(fd)
@@ -365,7 +365,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             self._settle(size, account, resident=False)
             tmp.unlink(missing_ok=True)
             self.stats.errors += 1
-            log.warning("disk tier: publishing %s failed: %s", key_hex(key), err)
+            log.warning("lmkv: disk tier: publishing %s failed: %s", key_hex(key), err)
             return False
         self._settle(size, account, resident=True)
         self._add(key, domain, size, account)
@@ -382,7 +382,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         except FileExistsError:
             pass
         except OSError as err:
-            log.warning("disk tier: linking %s for %s failed: %s", key_hex(key), domain, err)
+            log.warning("lmkv: disk tier: linking %s for %s failed: %s", key_hex(key), domain, err)
             return
         e.domains = self._domains.add(e.domains, domain)
         self._log.write(Change(Op.LINKED, key, domain, e.file_bytes))
@@ -397,10 +397,10 @@ class DiskTier(LocalTier, ReadsInPlace):
                 self._settle(size, account, resident=False)
             if err.errno in FULL_ERRNOS:
                 self.stats.full += 1
-                log.warning("disk tier: file system full writing %s", key_hex(header.key))
+                log.warning("lmkv: disk tier: file system full writing %s", key_hex(header.key))
             else:
                 self.stats.errors += 1
-                log.warning("disk tier: writing %s failed: %s", key_hex(header.key), err)
+                log.warning("lmkv: disk tier: writing %s failed: %s", key_hex(header.key), err)
             return False
         with self._lock:
             return self._publish(header, tmp, domain, account)
@@ -629,7 +629,7 @@ class DiskSession(WriteSession):
                 except OSError as err:
                     tier.stats.full += err.errno in FULL_ERRNOS
                     tier.stats.errors += err.errno not in FULL_ERRNOS
-                    log.warning("disk tier: session write of %s failed: %s", key_hex(h.key), err)
+                    log.warning("lmkv: disk tier: session write of %s failed: %s", key_hex(h.key), err)
                     tmps.append(None)
             with tier._lock:
                 out = []

@@ -117,7 +117,7 @@ class LogWriter:
                 os.write(self._fd, raw)
                 self._size += len(raw)
             except OSError as err:
-                log.warning("disk tier: writing the change log %s failed: %s", self.dir / self.name, err)
+                log.warning("lmkv: disk tier: writing the change log %s failed: %s", self.dir / self.name, err)
 
     def close(self) -> None:
         with self._lock, contextlib.suppress(OSError):

@@ -97,7 +97,7 @@ def scan(data_dir: Path, log, stop: Callable[[], bool] = lambda: False,
         try:
             check_domain(dom_dir.name)
         except ValueError:
-            log.warning("disk tier: ignoring unexpected directory %s", dom_dir)
+            log.warning("lmkv: disk tier: ignoring unexpected directory %s", dom_dir)
             continue
         for sub in os.scandir(dom_dir):
             if stop():
@@ -110,7 +110,7 @@ def scan(data_dir: Path, log, stop: Callable[[], bool] = lambda: False,
                     continue
                 if not f.name.endswith(SUFFIX) or st.st_size < 2 * ALIGN or st.st_size % ALIGN:
                     if remove_malformed:
-                        log.warning("disk tier: removing malformed page file %s", f.path)
+                        log.warning("lmkv: disk tier: removing malformed page file %s", f.path)
                         Path(f.path).unlink(missing_ok=True)
                     continue
                 yield st.st_mtime, key, dom_dir.name, st.st_size
