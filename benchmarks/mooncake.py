@@ -39,7 +39,7 @@ from lmkv.benchmarks.report import Report, gbps, interleaved, timed
 from lmkv.benchmarks.tiers import bench_layout, random_keys
 from lmkv.config import MemoryConfig, RemoteConfig
 from lmkv.dev.mooncake_master import start_master
-from lmkv.page import header_bytes, make_header
+from lmkv.page import header_bytes, make_header, units_in_ranges
 from lmkv.tiers.memory import MemorySession, MemoryTier
 
 log = logging.getLogger("lmkv.bench.mooncake")
@@ -143,7 +143,7 @@ def _size(report: Report, tier, raw, reg: np.ndarray, slots: MemorySession, labe
     def raw_layer() -> float:
         return gbps(n * (b - a), timed(ranged))
 
-    in_range = [slice(u.start, u.stop) for u in lay.unit_slices if a <= u.start and u.stop <= b]
+    in_range = [lay.unit_slices[u] for u in units_in_ranges(lay, [(a, b)])]
 
     def raw_layer_hashed() -> float:
         def go() -> None:

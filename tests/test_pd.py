@@ -401,6 +401,11 @@ def _wait_to_run(h: Harness, req_id: str, timeout: float = 10) -> float:
     return time.monotonic() - t0
 
 
+def _short_handoffs_said(caplog) -> list[str]:
+    """What the consumer logged of its hand-offs that came short."""
+    return [r.getMessage() for r in caplog.records if "came within pd.wait" in r.getMessage()]
+
+
 def test_a_consumer_waits_no_longer_than_pd_wait_for_a_stalled_tier(model_config, silent_listener, caplog):
     """Promised pages on a tier that stopped answering: the request runs at ``pd.wait``, though
     its lookup's own deadline (``remote.lookup_timeout``) is far later; the log says so."""
@@ -416,7 +421,7 @@ def test_a_consumer_waits_no_longer_than_pd_wait_for_a_stalled_tier(model_config
         assert 0.3 <= waited < 0.8, waited
         _run_until(d, b)
         assert d.connector_stats.get("scheduler.handoffs_short") == 1
-        said = [r.getMessage() for r in caplog.records if "came within pd.wait" in r.getMessage()]
+        said = _short_handoffs_said(caplog)
         assert len(said) == 1 and f"request b: 0 of the {PAGES} pages" in said[0], said
         assert "its last lookup unanswered" in said[0]
         d.check_kv(b, PROMPT + 1)
@@ -464,7 +469,7 @@ def test_a_consumer_loads_the_pages_that_came_and_computes_exactly_the_rest(mode
         assert d.connector_stats.get("scheduler.loaded_tokens") == came * BLOCK
         assert d.connector_stats.get("scheduler.handoffs_short") == 1
         assert 300 <= d.connector_stats.get("scheduler.handoff_wait_ms", 0) < 1000
-        said = [r.getMessage() for r in caplog.records if "came within pd.wait" in r.getMessage()]
+        said = _short_handoffs_said(caplog)
         assert len(said) == 1 and f"request b: {came} of the {PAGES} pages" in said[0], said
         assert "unanswered" not in said[0]
         assert not d.served_wrong_kv
