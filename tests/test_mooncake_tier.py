@@ -91,6 +91,19 @@ def test_a_damaged_object_is_a_miss_and_only_its_damaged_layer_fails_a_ranged_re
     assert found == [False, True]
 
 
+def _headers_asked(tier, monkeypatch) -> list[list[bool]]:
+    """Per Mooncake read of the tier from here on, whether it asked for each page's header."""
+    asked: list[list[bool]] = []
+    real = tier._fetch
+
+    def fetch(client, names, ptrs, lens, srcs, whole):
+        asked.append([src[0] == 0 for src in srcs])  # (the header is at the object's offset 0)
+        return real(client, names, ptrs, lens, srcs, whole)
+
+    monkeypatch.setattr(tier, "_fetch", fetch)
+    return asked
+
+
 def test_a_pages_header_is_read_once_and_verifies_its_later_ranges(tier, layout, monkeypatch):
     """A layerwise load reads each page in spans: the first brings the page's header, the later ones
     ask Mooncake for their ranges alone and are verified against the header kept from the first.
@@ -98,14 +111,7 @@ def test_a_pages_header_is_read_once_and_verifies_its_later_ranges(tier, layout,
     still a bad page (counted, dropped), and the header is no longer kept."""
     keys, payloads, pages = make_pages(layout, 3, seed=5)
     assert tier.put(pages, "engine") == [True] * 3
-    asked: list[list[int]] = []
-    real = tier._fetch
-
-    def fetch(client, names, ptrs, lens, srcs, whole):
-        asked.append([src[0] == 0 for src in srcs])  # (whether the header was asked for: it is at offset 0)
-        return real(client, names, ptrs, lens, srcs, whole)
-
-    monkeypatch.setattr(tier, "_fetch", fetch)
+    asked = _headers_asked(tier, monkeypatch)
     outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
     for layer in range(3):
         assert all(h is not None for h in tier.get_ranges(keys, layout, [layout.layer_range(layer)], outs))
@@ -120,6 +126,32 @@ def test_a_pages_header_is_read_once_and_verifies_its_later_ranges(tier, layout,
     got = tier.get_ranges(keys[:1], layout, [layout.layer_range(3)], outs[:1])
     assert got == [None] and tier.stats.corrupt == corrupt + 1 and tier._headers.get(keys[:1]) == [None]
     assert tier.get_ranges(keys[1:], layout, [layout.layer_range(3)], outs[1:]) != [None, None]
+
+
+def test_with_verify_off_a_pages_header_is_still_read_once_and_a_bad_one_is_a_miss(master, layout, monkeypatch):
+    """``remote.verify: false`` skips the payload's digests, not the header: a layerwise load's later
+    spans read ranges alone (the header kept from the first span, as when verifying), and a header
+    that is not this page's is still a miss."""
+    t = _tier(master.url, verify=False)
+    try:
+        keys, payloads, pages = make_pages(layout, 3, seed=15)
+        assert t.put(pages, "engine") == [True] * 3
+        asked = _headers_asked(t, monkeypatch)
+        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+        for layer in range(3):
+            assert all(h is not None for h in t.get_ranges(keys, layout, [layout.layer_range(layer)], outs))
+        assert asked == [[True] * 3, [False] * 3, [False] * 3]
+        a, b = layout.layer_range(2)
+        assert all((o[a:b] == p[a:b]).all() for o, p in zip(outs, payloads))
+        raw, staging, size = t._client(), t._staging, header_bytes(layout) + layout.payload_bytes
+        (other,), _, _ = make_pages(layout, 1, seed=16)
+        assert raw.batch_get_into([t._name(keys[0])], [staging.ctypes.data], [size]) == [size]
+        assert raw.batch_put_from([t._name(other)], [staging.ctypes.data], [size]) == [0]  # (page 0's object)
+        corrupt = t.stats.corrupt
+        assert t.get_ranges([other], layout, [layout.layer_range(3)], outs[:1]) == [None]
+        assert t.stats.corrupt == corrupt + 1 and t._headers.get([other]) == [None]
+    finally:
+        t.close()
 
 
 def test_a_layerwise_loads_spans_read_in_one_get_session(tier, layout, monkeypatch):

@@ -524,13 +524,13 @@ class MooncakeTier(RemoteTier):
               hdr: int, want: list[tuple[int, int]], units: Sequence[int], staged: bool) -> list:
         """A batch's pages once Mooncake moved them (``heads``: where each header read landed):
         copied from staging into their ``outs`` when ``staged`` (else they landed there), each
-        verified right after (a :class:`Checked` header, kept for later reads of the page), or its
-        raw header for the caller's check to count and drop (a kept header it failed is forgotten:
+        verified right after (a :class:`Checked` header; with ``remote.verify`` off, its header
+        parsed: either is kept for later reads of the page), or its raw header for the caller's check to count and drop (a kept header it failed is forgotten:
         whichever of the two was wrong, the object is dropped), or None where the object was not
         there."""
         came = self._wait(moving.fut)
         results: list = []
-        verified: list[tuple[PageKey, PageHeader]] = []
+        kept: list[tuple[PageKey, PageHeader]] = []
         for j, (i, ok) in enumerate(zip(r, came)):
             if not ok:
                 results.append(None)
@@ -544,17 +544,18 @@ class MooncakeTier(RemoteTier):
                 for a, b in want:
                     np.copyto(dst[a:b], self._staging[pos : pos + b - a])
                     pos += b - a
-            if not self.verifies:
-                results.append(raw)
-                continue
-            got = self._verified(keys[i], raw, layout, dst, units)
-            if isinstance(got, Checked):
-                verified.append((keys[i], got.header))
+            if self.verifies:
+                got = self._verified(keys[i], raw, layout, dst, units)
+            else:
+                got = self._parsed(keys[i], raw, layout)
+            header = got.header if isinstance(got, Checked) else got
+            if isinstance(header, PageHeader):  # (kept unverified too: later spans need not read it again)
+                kept.append((keys[i], header))
             else:  # (its object may have gone or changed since the session found it: start afresh)
                 self._headers.forget([keys[i]])
                 self._leave_session([self._name(keys[i])])
             results.append(got)
-        self._headers.put_many(verified)
+        self._headers.put_many(kept)
         return results
 
     def _write(self, pages: Sequence[tuple[PageHeader, memoryview]], domain: str) -> list[bool]:

@@ -283,12 +283,25 @@ class RemoteTier(Tier):
     def _fetch_usage(self) -> tuple[int, int, int]:
         """(used bytes, capacity bytes, pages), for stats."""
 
+    @staticmethod
+    def _parsed(key: PageKey, raw: bytes | PageHeader, layout: GroupLayout) -> bytes | PageHeader:
+        """The header of a page a subclass landed (``raw`` itself when it is parsed already), or
+        ``raw`` for :meth:`_check` to count and drop."""
+        if isinstance(raw, PageHeader):
+            return raw
+        try:
+            return unpack_header(raw, expect_key=key, layout=layout)
+        except PageError:
+            return raw
+
     def _verified(self, key: PageKey, raw: bytes | PageHeader, layout: GroupLayout, out, units: Sequence[int]):
         """Parse (unless ``raw`` is a header already parsed) and verify one page a subclass landed
         (while the next is still on its way): :class:`Checked`, or ``raw`` for :meth:`_check` to
         count and drop."""
+        h = self._parsed(key, raw, layout)
+        if not isinstance(h, PageHeader):
+            return raw
         try:
-            h = raw if isinstance(raw, PageHeader) else unpack_header(raw, expect_key=key, layout=layout)
             verify_units(h, layout, out, units)
         except PageError:
             return raw
