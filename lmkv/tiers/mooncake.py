@@ -525,9 +525,9 @@ class MooncakeTier(RemoteTier):
         """A batch's pages once Mooncake moved them (``heads``: where each header read landed):
         copied from staging into their ``outs`` when ``staged`` (else they landed there), each
         verified right after (a :class:`Checked` header; with ``remote.verify`` off, its header
-        parsed: either is kept for later reads of the page), or its raw header for the caller's check to count and drop (a kept header it failed is forgotten:
-        whichever of the two was wrong, the object is dropped), or None where the object was not
-        there."""
+        parsed: either is kept for later reads of the page), or its raw header for the caller's
+        check to count and drop (a kept header it failed is forgotten: whichever of the two was
+        wrong, the object is dropped), or None where the object was not there."""
         came = self._wait(moving.fut)
         results: list = []
         kept: list[tuple[PageKey, PageHeader]] = []
