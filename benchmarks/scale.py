@@ -21,6 +21,10 @@
   baseline: a plain threaded socket server sending the same bytes per request, same run, the two
   in turn for a few rounds (medians: on a 2-core host the same measurement varied 1.5x from one
   window to the next).
+- ``server.get.64KiB.{1,8,64}.lean``: where Python's own floor is for those GETs on this host: a
+  lean pair in Python speaking the same wire format (one ``recv_into`` a frame, msgspec, the
+  header's check and every unit's digest on the client; a dict and one ``sendmsg`` on the server;
+  no authentication, pool, store, pins, quotas or stats) against the plain pair, same rounds.
 - ``server.shm.get_batch``: a GET of 64 pages of 64 KiB from a server on this host into the
   client's shared arena; baseline: the same GET over TCP (medians of samples of 8 GETs each).
 - ``server.write_through.4MiB{,.tcp}``: a step's write-through of 32 pages of 4 MiB to the server,
@@ -32,6 +36,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,10 +48,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import replace
 from functools import partial
 
+import msgspec
 import numpy as np
 
 from lmkv.benchmarks.report import Report, gbps, interleaved, timed
@@ -58,7 +65,7 @@ from lmkv.engine.residency import ResidencyMirror
 from lmkv.engine.scheduler import OffloadScheduler
 from lmkv.keys import PageKey
 from lmkv.layout import GroupLayout
-from lmkv.page import header_of_digests, make_header
+from lmkv.page import PageHeader, header_of_digests, make_header, packed_as, unpack_header, verify_payload
 from lmkv.store import TieredStore
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import TierStats
@@ -67,7 +74,7 @@ from lmkv.tiers.memory import MemoryTier
 from lmkv.tiers.page_files import DiskView
 from lmkv.tiers.quarantine import Quarantine
 from lmkv.tiers.server_client import ServerTier
-from lmkv.wire.protocol import recv_exact
+from lmkv.wire.protocol import FRAME, FRAME_BYTES, MAGIC, Get, GetReply, LayoutMsg, Op, recv_exact
 
 log = logging.getLogger("lmkv.bench.scale")
 
@@ -228,6 +235,78 @@ def _plain_get_loop(port: int, page: int, until: float) -> int:
         return n
 
 
+def lean_peer() -> None:
+    """The lean pair's server (its own process): reads ``{"page", "keys"}`` as JSON on stdin, holds
+    those pages (the bench's payload) in a dict and answers one-page GETs in lmkv's wire format,
+    a thread a connection; prints its port."""
+    job = json.loads(sys.stdin.readline())
+    lay = bench_layout(job["page"])
+    pages = _lean_pages(lay, job["keys"])
+    srv = socket.create_server(("127.0.0.1", 0), backlog=256)
+    print(srv.getsockname()[1], flush=True)
+    decoder, encoder = msgspec.msgpack.Decoder(Get), msgspec.msgpack.Encoder()
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = memoryview(bytearray(8 << 10))
+        with conn:
+            while (got := _lean_frame(conn, buf, 0)) is not None:
+                req = decoder.decode(buf[FRAME_BYTES : got[0]])
+                header, payload = pages[req.keys[0]]
+                meta = encoder.encode(GetReply([packed_as(header, req.keys[0])]))
+                conn.sendmsg([FRAME.pack(MAGIC, 0, len(meta), len(payload)) + meta, payload])
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _lean_pages(lay: GroupLayout, keys_hex: list[str]) -> dict[bytes, tuple[PageHeader, memoryview]]:
+    payload = np.random.default_rng(0).integers(0, 256, lay.payload_bytes, dtype=np.uint8)
+    header = make_header(PageKey(bytes.fromhex(keys_hex[0])), lay, payload)
+    return {k: (header_of_digests(PageKey(k), lay, header.digests), payload.data)
+            for k in map(bytes.fromhex, keys_hex)}
+
+
+def _lean_frame(sock: socket.socket, buf: memoryview, have: int) -> tuple[int, int] | None:
+    """Receive until ``buf`` (holding ``have`` bytes) has a whole frame head and metadata: (where
+    the metadata ends, the bytes ``buf`` holds); None: the peer closed."""
+    while have < FRAME_BYTES or have < FRAME_BYTES + FRAME.unpack_from(buf)[2]:
+        got = sock.recv_into(buf[have:])
+        if not got:
+            return None
+        have += got
+    return FRAME_BYTES + FRAME.unpack_from(buf)[2], have
+
+
+def _lean_get_loop(port: int, page: int, keys: list[PageKey], until: float) -> int:
+    """The lean pair's client: each page asked for, received into one buffer and verified."""
+    lay = bench_layout(page)
+    msg = LayoutMsg.of(lay)
+    decoder, encoder = msgspec.msgpack.Decoder(GetReply), msgspec.msgpack.Encoder()
+    buf, out = memoryview(bytearray(8 << 10)), memoryview(bytearray(page))
+    n = 0
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c.settimeout(30.0)  # (as a client that must not hang does)
+        while time.time() < until:
+            key = keys[n % len(keys)]
+            meta = encoder.encode(Get([key], msg))
+            c.sendall(FRAME.pack(MAGIC, Op.GET, len(meta), 0) + meta)
+            frame = _lean_frame(c, buf, 0)
+            if frame is None:
+                raise RuntimeError("the lean server hung up")
+            meta_at, have = frame
+            header = unpack_header(decoder.decode(buf[FRAME_BYTES:meta_at]).headers[0], key, lay)
+            got = have - meta_at
+            out[:got] = buf[meta_at:have]
+            while got < page:
+                got += c.recv_into(out[got:])
+            verify_payload(header, lay, out)
+            n += 1
+    return n
+
+
 def _lmkv_get_loop(url: str, page: int, keys: list[PageKey], until: float) -> int:
     tier = ServerTier(RemoteConfig(url=url, shm="never", max_connections=1), "bench")
     lay = bench_layout(page)
@@ -252,6 +331,9 @@ def client_process() -> None:
     with futures.ThreadPoolExecutor(job["threads"]) as pool:
         if job["kind"] == "plain":
             done = [pool.submit(_plain_get_loop, int(job["where"]), job["page"], until) for _ in range(job["threads"])]
+        elif job["kind"] == "lean":
+            done = [pool.submit(_lean_get_loop, int(job["where"]), job["page"], keys, until)
+                    for _ in range(job["threads"])]
         else:
             done = [pool.submit(_lmkv_get_loop, job["where"], job["page"], keys, until) for _ in range(job["threads"])]
         print(sum(f.result() for f in done))
@@ -297,10 +379,18 @@ def _server(report: Report, quick: bool) -> None:
                 payload = np.random.default_rng(0).integers(0, 256, page, dtype=np.uint8)
                 tier.put([(make_header(k, lay, payload), payload) for k in keys], "bench")
                 tier.close()
-                for clients in (1, 8, 64):
-                    ours, base = interleaved(rounds, partial(_gets, "lmkv", server.url, page, clients, keys, seconds),
-                                             partial(_gets, "plain", port, page, clients, keys, seconds))
-                    report.add(f"server.get.{label}.{clients}", ours, "GB/s", base, what)
+                with _lean_server(page, keys) if label == "64KiB" else contextlib.nullcontext() as lean:
+                    for clients in (1, 8, 64):
+                        runs = [partial(_gets, "lmkv", server.url, page, clients, keys, seconds),
+                                partial(_gets, "plain", port, page, clients, keys, seconds)]
+                        if lean is not None:
+                            runs.append(partial(_gets, "lean", lean, page, clients, keys, seconds))
+                        got = interleaved(rounds, *runs)
+                        report.add(f"server.get.{label}.{clients}", got[0], "GB/s", got[1], what)
+                        if lean is not None:
+                            report.add(f"server.get.{label}.{clients}.lean", got[2], "GB/s", got[1],
+                                       "the plain pair, same rounds (the lean pair: Python's floor for lmkv's wire "
+                                       "format on this host)")
             _batches(report, server.url, 3 if quick else 9)
             _write_through(report, server.url, port, 3 if quick else 7)
         with spawn("--memory", "1GiB") as idle:
@@ -309,6 +399,21 @@ def _server(report: Report, quick: bool) -> None:
     finally:
         plain.kill()
         plain.wait()
+
+
+@contextlib.contextmanager
+def _lean_server(page: int, keys: list[PageKey]) -> Iterator[str]:
+    """The lean pair's server process holding ``keys``' pages while in use; gives its port."""
+    proc = subprocess.Popen([sys.executable, "-c", "from lmkv.benchmarks.scale import lean_peer; lean_peer()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps({"page": page, "keys": [k.hex() for k in keys]}) + "\n")
+        proc.stdin.flush()
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _rss(pid: int) -> float:
