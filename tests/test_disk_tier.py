@@ -253,9 +253,11 @@ def _drop_from_page_cache(files) -> None:
             os.close(fd)
 
 
-def test_cached_pages_are_read_inline_and_uncached_ones_on_io_threads(tmp_path, layout, monkeypatch):
-    """Buffered reads: what the OS page cache holds is copied in the caller's thread; pages it
-    dropped are read in parallel on the I/O threads. Both come back whole and verified."""
+@pytest.mark.parametrize("span", [None, 1], ids=["whole", "a layer"])
+def test_cached_pages_are_read_inline_and_uncached_ones_on_io_threads(tmp_path, layout, monkeypatch, span):
+    """Buffered reads, of whole pages or of a layerwise load's span: what the OS page cache holds
+    is copied in the caller's thread; pages it dropped are read in parallel on the I/O threads.
+    Both come back verified."""
     import os
 
     from conftest import make_pages
@@ -269,9 +271,14 @@ def test_cached_pages_are_read_inline_and_uncached_ones_on_io_threads(tmp_path, 
     real_map = disk.settled_map
     monkeypatch.setattr(disk, "settled_map", lambda pool, fn, items: (handed.extend(items := list(items)),
                                                                       real_map(pool, fn, items))[1])
+    a, b = (0, layout.payload_bytes) if span is None else layout.layer_range(span)
+
+    def read(outs) -> list:
+        return t.get(keys, layout, outs) if span is None else t.get_ranges(keys, layout, [(a, b)], outs)
+
     outs = [np.zeros_like(p) for p in payloads]
-    assert all(h is not None for h in t.get(keys, layout, outs)) and handed == []
-    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    assert all(h is not None for h in read(outs)) and handed == []
+    assert all(np.array_equal(o[a:b], p[a:b]) for o, p in zip(outs, payloads))
     files = {i: _files(t, keys[i])[0] for i in range(6)}
     dropped: list[int] = []
     for _ in range(20):  # the kernel may keep a page it was asked to drop a while
@@ -293,9 +300,11 @@ def test_cached_pages_are_read_inline_and_uncached_ones_on_io_threads(tmp_path, 
         monkeypatch.setattr(disk.os, "preadv", preadv)
         dropped = [3, 4, 5]
     outs = [np.zeros_like(p) for p in payloads]
-    assert all(h is not None for h in t.get(keys, layout, outs))
-    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    assert all(h is not None for h in read(outs))
+    assert all(np.array_equal(o[a:b], p[a:b]) for o, p in zip(outs, payloads))
     # the dropped pages went to the threads, cached ones did not (the kernel may reclaim one more
     # of the pages just dropped from under the check before the read: it goes to a thread too)
     assert set(dropped) <= set(handed) <= {3, 4, 5}
-    assert t.stats.hits == 12 and t.stats.misses == 0
+    # (a page read layer by layer is one hit, counted at its first layer's read)
+    assert t.stats.hits == (12 if span is None else 0) and t.stats.misses == 0
+    assert t.stats.get_bytes == 12 * (b - a)

@@ -293,9 +293,9 @@ class DiskTier(LocalTier, ReadsInPlace):
     def _read_page(self, key: PageKey, layout: GroupLayout, out, ranges: Sequence[Range] | None,
                    nowait: bool = False) -> PageHeader | None | Blocked:
         """One page into ``out`` (a buffer, or with buffered I/O a list of one buffer per unit), or
-        only ``ranges`` of it; ``nowait`` (a whole buffered page): :data:`WOULD_BLOCK` unless the OS
-        page cache holds all of it, so that cached pages are read without a thread hand-off. A page
-        that fails its checks is dropped; any failure is a miss (``None``)."""
+        only ``ranges`` of it; ``nowait`` (buffered I/O into host memory): :data:`WOULD_BLOCK`
+        unless the OS page cache holds all of it, so that cached pages are read without a thread
+        hand-off. A page that fails its checks is dropped; any failure is a miss (``None``)."""
         e = self._entry(key)
         if e is None:
             self.stats.misses += 1
@@ -323,7 +323,7 @@ class DiskTier(LocalTier, ReadsInPlace):
                 header = self._files.read_whole(fd, key, layout, dst, direct, nowait and not direct)
             else:
                 assert dst is not None
-                header = self._files.read_ranges(fd, key, layout, dst, ranges)
+                header = self._files.read_ranges(fd, key, layout, dst, ranges, nowait and not direct)
         except PageError as err:
             self._discard(key, str(err))
             self.stats.misses += 1
@@ -463,14 +463,18 @@ class DiskTier(LocalTier, ReadsInPlace):
         copy: handing pages one by one to threads cost more than it saved, 1.4-1.9x slower here);
         the others page by page in parallel, because a device needs queue depth. ``outs`` may also
         be lists of unit buffers (see :meth:`get_units`)."""
+        return self._read_cached_first(keys, layout, outs, None)
+
+    def _read_cached_first(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
+                           ranges: Sequence[Range] | None) -> list[PageHeader | None]:
         if len(keys) < 2:
-            return [self._read(k, layout, out) for k, out in zip(keys, outs)]
+            return [self._read(k, layout, out, ranges) for k, out in zip(keys, outs)]
         results: list[PageHeader | None | Blocked] = [WOULD_BLOCK] * len(keys)
         if not self.direct:
             # a few long runs (one here, the others on I/O threads): a page's copy out of the page
             # cache runs without the GIL while another run hashes (measured 1.5-1.7x one run on 2 cores)
             def run(lo: int, hi: int) -> list[PageHeader | None | Blocked]:
-                return [self._read_page(keys[i], layout, outs[i], None, nowait=True) for i in range(lo, hi)]
+                return [self._read_page(keys[i], layout, outs[i], ranges, nowait=True) for i in range(lo, hi)]
 
             parts = max(1, min(INLINE_RUNS, len(keys) // MIN_RUN_PAGES))
             cuts = [len(keys) * j // parts for j in range(parts + 1)]
@@ -482,7 +486,7 @@ class DiskTier(LocalTier, ReadsInPlace):
             results = here + [r for f in others for r in f.result()]
         todo = [i for i, r in enumerate(results) if r is WOULD_BLOCK]
         if todo:
-            for i, r in zip(todo, settled_map(self._io, lambda i: self._read(keys[i], layout, outs[i]), todo)):
+            for i, r in zip(todo, settled_map(self._io, lambda i: self._read(keys[i], layout, outs[i], ranges), todo)):
                 results[i] = r
         return [None if r is WOULD_BLOCK else r for r in results]  # (none is left)
 
@@ -506,7 +510,9 @@ class DiskTier(LocalTier, ReadsInPlace):
 
     def get_ranges(self, keys: Sequence[PageKey], layout: GroupLayout, ranges: Sequence[Range],
                    outs: Sequence) -> list[PageHeader | None]:
-        return self._read_parallel(keys, layout, outs, list(ranges))
+        """As :meth:`get`, each page's ``ranges`` alone (a layerwise load's span of layers): those
+        the page cache holds in a few long runs, the others in parallel."""
+        return self._read_cached_first(keys, layout, outs, list(ranges))
 
     def _read_parallel(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
                        ranges: Sequence[Range] | None = None) -> list[PageHeader | None]:

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from lmkv.config import DiskConfig
 from lmkv.domains import check_domain
-from lmkv.errors import ShortReadError
 from lmkv.keys import PageKey, key_hex, parse_key_hex
 from lmkv.layout import GroupLayout
 from lmkv.page import (
@@ -245,20 +244,28 @@ class PageFiles:
 
     def read_header(self, fd: int, key: PageKey, layout: GroupLayout) -> PageHeader:
         """The page's header alone (its padded block at the file's start), parsed and checked."""
+        header = self._header(fd, key, layout, nowait=False)
+        assert header is not WOULD_BLOCK
+        return header
+
+    def _header(self, fd: int, key: PageKey, layout: GroupLayout, nowait: bool) -> PageHeader | Blocked:
         hdr_bytes = disk_header_bytes(layout)
         hdr = self._bounce.get(hdr_bytes)
-        if os.preadv(fd, [hdr], 0) < hdr_bytes:
-            raise ShortReadError("page header is truncated")
+        if not read_exact(fd, [hdr], hdr_bytes, nowait):
+            return WOULD_BLOCK
         return unpack_header(hdr, expect_key=key, layout=layout)
 
     def read_ranges(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview,
-                    ranges: Sequence[Range]) -> PageHeader:
-        """The header, then each range into ``dst`` at its page offset; only those units are verified."""
+                    ranges: Sequence[Range], nowait: bool) -> PageHeader | Blocked:
+        """The header, then each range into ``dst`` at its page offset; only those units are verified.
+        ``nowait``: :data:`WOULD_BLOCK` unless the OS page cache holds all of it."""
         hdr_bytes = disk_header_bytes(layout)
-        header = self.read_header(fd, key, layout)
+        header = self._header(fd, key, layout, nowait)
+        if header is WOULD_BLOCK:
+            return WOULD_BLOCK
         for start, end in ranges:
-            if os.preadv(fd, [dst[start:end]], hdr_bytes + start) < end - start:
-                raise ShortReadError(f"range [{start}, {end}) is truncated")
+            if not read_exact(fd, [dst[start:end]], end - start, nowait, hdr_bytes + start):
+                return WOULD_BLOCK
         verify_units(header, layout, dst, units_in_ranges(layout, ranges))
         return header
 

@@ -66,20 +66,20 @@ def pwritev_all(fd: int, iov: list[memoryview]) -> None:
         offset += len(buf)
 
 
-def read_exact(fd: int, bufs: list, need: int, nowait: bool) -> bool:
-    """``preadv`` a whole page from the file's start into ``bufs``; a short read raises. ``nowait``:
-    False (nothing raised) unless the OS page cache holds all ``need`` bytes."""
+def read_exact(fd: int, bufs: list, need: int, nowait: bool, offset: int = 0) -> bool:
+    """``preadv`` ``need`` bytes from ``offset`` (a whole page: its file's start) into ``bufs``; a
+    short read raises. ``nowait``: False (nothing raised) unless the OS page cache holds them all."""
     if nowait:
         try:
-            got = os.preadv(fd, bufs, 0, os.RWF_NOWAIT)
+            got = os.preadv(fd, bufs, offset, os.RWF_NOWAIT)
         except BlockingIOError:
             return False
         if got < need:  # partly cached (or truncated: the blocking read tells)
             return False
     else:
-        got = os.preadv(fd, bufs, 0)
+        got = os.preadv(fd, bufs, offset)
     if got < need:
-        raise ShortReadError(f"read {got} bytes of a {need}-byte page")
+        raise ShortReadError(f"read {got} of {need} bytes at offset {offset} of a page file")
     return True
 
 
