@@ -3,7 +3,7 @@
 See docs/design/layerwise.md. A page keeps every layer's bytes contiguous, so layer ``l``
 of all of a load's pages is one byte range per page: one request per tier carries
 them all (:meth:`lmkv.tiers.base.Tier.get_ranges`: the server's ranged GET, one Redis
-pipeline, parallel ``preadv`` on disk), and each unit is verified against its digest
+pipeline, a few runs of ``preadv`` on disk), and each unit is verified against its digest
 as it lands. Requests go out in layer order, ``depth`` of them in flight per tier,
 so layer 0 arrives first and the engine's forward waits for a layer only when it
 gets there (:meth:`LayerFetch.wait`); the layers it computes meanwhile hide the
