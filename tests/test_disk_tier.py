@@ -140,6 +140,28 @@ def test_layerwise_read_catches_corruption_in_the_layer_read(tmp_path, layout):
     assert t.stats.corrupt == 1
 
 
+def test_a_layerwise_loads_later_spans_do_not_read_the_header_again(tmp_path, layout, monkeypatch):
+    """The first span of a page's layerwise read reads its header; the later spans verify their
+    layers against the header kept from it. A page dropped (deleted here) takes its kept header
+    with it: written again, it is read with its header once more."""
+    from conftest import make_pages
+
+    t = _tier(tmp_path, "buffered")
+    keys, payloads, pages = make_pages(layout, 3, seed=4)
+    t.put(pages, "w0")
+    headers_read = []
+    real = t._files._header
+    monkeypatch.setattr(t._files, "_header", lambda fd, key, *a: (headers_read.append(key), real(fd, key, *a))[1])
+    outs = [np.zeros_like(p) for p in payloads]
+    for layer in range(layout.num_layers):
+        assert t.get_ranges(keys, layout, [layout.layer_range(layer)], outs) == [h for h, _ in pages]
+    assert sorted(headers_read) == sorted(keys)
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+    assert t.delete(keys[:1]) == 1 and t.put(pages[:1], "w0") == [True]
+    assert t.read_ranges(keys[0], layout, [layout.layer_range(1)], outs[0]) == pages[0][0]
+    assert headers_read.count(keys[0]) == 2
+
+
 def test_malformed_files_are_removed_at_restart(tmp_path, layout):
     t = _tier(tmp_path)
     k, h, p = _page(layout)

@@ -45,12 +45,15 @@ from lmkv.tiers.changes import ChangeNotes
 from lmkv.tiers.disk_log import Change, LogReader, LogWriter, Op, remove_dead_logs
 from lmkv.tiers.eviction import EvictionPolicy, make_policy
 from lmkv.tiers.gds import DeviceBuffer
+from lmkv.tiers.header_cache import HeaderCache
 from lmkv.tiers.page_files import WOULD_BLOCK, Blocked, PageFiles, domains_in, page_path, remove_dead_writers, scan
 from lmkv.tiers.posix_io import FULL_ERRNOS, aligned, place, probe_direct_io, unlink
 from lmkv.tiers.quarantine import settled_map
 
 log = logging.getLogger(__name__)
 
+#: headers of pages read by ranges, kept for the later spans of a layerwise load
+HEADERS_KEPT = 16384
 INLINE_RUNS = min(4, os.cpu_count() or 1)  # parallel runs of reads the page cache serves
 MIN_RUN_PAGES = 16
 
@@ -100,6 +103,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         self._used = 0
         self._reserved = 0
         self._files = PageFiles(cfg, self._tmp, self.direct, engine)
+        self._headers = HeaderCache(HEADERS_KEPT)  # (pages read by ranges lately: a load's later spans)
         self._io = threads.pool(cfg.io_threads, "lmkv-disk")
         remove_dead_writers(self._tmp)  # (before this process writes any)
         self._others.skip_to_end()  # (what the logs said so far, the scan finds)
@@ -238,6 +242,7 @@ class DiskTier(LocalTier, ReadsInPlace):
         """Under the lock: drop a page from the index and unlink its files (``evicted``: the
         victim's order already let it go)."""
         e = self._index.pop(key, None)
+        self._headers.forget([key])
         if e is not None:
             if not evicted:
                 self._policy(e.account).remove(key)
@@ -323,7 +328,12 @@ class DiskTier(LocalTier, ReadsInPlace):
                 header = self._files.read_whole(fd, key, layout, dst, direct, nowait and not direct)
             else:
                 assert dst is not None
-                header = self._files.read_ranges(fd, key, layout, dst, ranges, nowait and not direct)
+                known = self._headers.get([key])[0]
+                if known is not None and known.layout_fp != layout.fingerprint:
+                    known = None  # (the page asked for as another layout: its own header says no)
+                header = self._files.read_ranges(fd, key, layout, dst, ranges, nowait and not direct, known)
+                if known is None and header is not WOULD_BLOCK:
+                    self._headers.put(key, header)
         except PageError as err:
             self._discard(key, str(err))
             self.stats.misses += 1

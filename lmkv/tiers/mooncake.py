@@ -56,10 +56,11 @@ from lmkv.page import ALIGN, PageHeader, header_bytes, units_in_ranges
 from lmkv.tiers.allocator import RoomBefore
 from lmkv.tiers.arena import HostArena
 from lmkv.tiers.base import Range
+from lmkv.tiers.header_cache import HeaderCache
 from lmkv.tiers.mooncake_client import MooncakeClient
 from lmkv.tiers.mooncake_puts import PutStream
 from lmkv.tiers.quarantine import Quarantine, lendable
-from lmkv.tiers.remote import STREAMS_OPEN, Checked, HeaderCache, RemoteTier, batches
+from lmkv.tiers.remote import STREAMS_OPEN, Checked, RemoteTier, batches
 from lmkv.wire.shm_window import offsets_in
 
 log = logging.getLogger(__name__)

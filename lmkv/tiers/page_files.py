@@ -256,11 +256,12 @@ class PageFiles:
         return unpack_header(hdr, expect_key=key, layout=layout)
 
     def read_ranges(self, fd: int, key: PageKey, layout: GroupLayout, dst: memoryview,
-                    ranges: Sequence[Range], nowait: bool) -> PageHeader | Blocked:
-        """The header, then each range into ``dst`` at its page offset; only those units are verified.
-        ``nowait``: :data:`WOULD_BLOCK` unless the OS page cache holds all of it."""
+                    ranges: Sequence[Range], nowait: bool, known: PageHeader | None = None) -> PageHeader | Blocked:
+        """The header (unless ``known``: read lately, its checks passed), then each range into
+        ``dst`` at its page offset; only those units are verified. ``nowait``: :data:`WOULD_BLOCK`
+        unless the OS page cache holds all of it."""
         hdr_bytes = disk_header_bytes(layout)
-        header = self._header(fd, key, layout, nowait)
+        header = known if known is not None else self._header(fd, key, layout, nowait)
         if header is WOULD_BLOCK:
             return WOULD_BLOCK
         for start, end in ranges:

@@ -59,11 +59,12 @@ from lmkv.layout import GroupLayout
 from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, unpack_header
 from lmkv.tiers import remote
 from lmkv.tiers.base import Range
+from lmkv.tiers.header_cache import HeaderCache
 from lmkv.tiers.put_stream import StepPutStream
 from lmkv.tiers.redis_nodes import ClusterNodes
 from lmkv.tiers.redis_puts import RedisPutTarget, redis_session, staging_ttl_ms
 from lmkv.tiers.redis_reads import AHEAD, read_pipelined
-from lmkv.tiers.remote import Checked, HeaderCache, RemoteTier, batches
+from lmkv.tiers.remote import Checked, RemoteTier, batches
 
 #: packed headers kept client-side (about 200 bytes each for an 8-layer page)
 HEADER_CACHE = 65536

@@ -32,7 +32,8 @@ from redis import exceptions as rexc
 from lmkv.errors import TierUnavailableError
 from lmkv.keys import PageKey
 from lmkv.page import PageHeader, as_bytes_view
-from lmkv.tiers.remote import PUBLISH_BYTES, HeaderCache, batches
+from lmkv.tiers.header_cache import HeaderCache
+from lmkv.tiers.remote import PUBLISH_BYTES, batches
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from abc import abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import NamedTuple
@@ -148,43 +147,6 @@ class BufferedSession(WriteSession):
     def abort(self) -> None:
         self.closed = True
         self._bufs = []
-
-
-class HeaderCache:
-    """The headers of pages a remote tier read or wrote lately, the least recently used dropped
-    beyond ``capacity``; thread-safe. A page's key names its content, so a header kept verifies
-    every later read of the page's ranges without reading the header again (a layerwise load's
-    later spans); a tier forgets a page's header when the page fails it or is deleted."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._headers: OrderedDict[PageKey, PageHeader] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, keys: Sequence[PageKey]) -> list[PageHeader | None]:
-        with self._lock:
-            out = [self._headers.get(k) for k in keys]
-            for k, h in zip(keys, out):
-                if h is not None:
-                    self._headers.move_to_end(k)
-            return out
-
-    def put(self, key: PageKey, header: PageHeader) -> None:
-        self.put_many([(key, header)])
-
-    def put_many(self, items: Sequence[tuple[PageKey, PageHeader]]) -> None:
-        """Every ``(key, header)`` kept, under one lock (a read keeps a header for each page it verified)."""
-        with self._lock:
-            for key, header in items:
-                self._headers[key] = header
-                self._headers.move_to_end(key)
-            while len(self._headers) > self.capacity:
-                self._headers.popitem(last=False)
-
-    def forget(self, keys: Sequence[PageKey]) -> None:
-        with self._lock:
-            for k in keys:
-                self._headers.pop(k, None)
 
 
 class Checked(NamedTuple):
