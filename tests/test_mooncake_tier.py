@@ -91,8 +91,11 @@ def test_a_damaged_object_is_a_miss_and_only_its_damaged_layer_fails_a_ranged_re
     assert found == [False, True]
 
 
-def _headers_asked(tier, monkeypatch) -> list[list[bool]]:
-    """Per Mooncake read of the tier from here on, whether it asked for each page's header."""
+def _three_pages_read_by_layers(tier, layout, seed: int, monkeypatch) -> tuple[list, list, list]:
+    """Three pages stored, then read by ranges a layer at a time for three layers: only the first
+    layer's read asks Mooncake for their headers. (keys, payloads, the buffers read into.)"""
+    keys, payloads, pages = make_pages(layout, 3, seed=seed)
+    assert tier.put(pages, "engine") == [True] * 3
     asked: list[list[bool]] = []
     real = tier._fetch
 
@@ -101,7 +104,11 @@ def _headers_asked(tier, monkeypatch) -> list[list[bool]]:
         return real(client, names, ptrs, lens, srcs, whole)
 
     monkeypatch.setattr(tier, "_fetch", fetch)
-    return asked
+    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
+    for layer in range(3):
+        assert all(h is not None for h in tier.get_ranges(keys, layout, [layout.layer_range(layer)], outs))
+    assert asked == [[True] * 3, [False] * 3, [False] * 3]
+    return keys, payloads, outs
 
 
 def test_a_pages_header_is_read_once_and_verifies_its_later_ranges(tier, layout, monkeypatch):
@@ -109,13 +116,7 @@ def test_a_pages_header_is_read_once_and_verifies_its_later_ranges(tier, layout,
     ask Mooncake for their ranges alone and are verified against the header kept from the first.
     A range that does not match it (the object written again under its key with other bytes) is
     still a bad page (counted, dropped), and the header is no longer kept."""
-    keys, payloads, pages = make_pages(layout, 3, seed=5)
-    assert tier.put(pages, "engine") == [True] * 3
-    asked = _headers_asked(tier, monkeypatch)
-    outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
-    for layer in range(3):
-        assert all(h is not None for h in tier.get_ranges(keys, layout, [layout.layer_range(layer)], outs))
-    assert asked == [[True] * 3, [False] * 3, [False] * 3]
+    keys, payloads, outs = _three_pages_read_by_layers(tier, layout, 5, monkeypatch)
     for layer in range(3):
         a, b = layout.layer_range(layer)
         assert all((o[a:b] == p[a:b]).all() for o, p in zip(outs, payloads))
@@ -134,13 +135,7 @@ def test_with_verify_off_a_pages_header_is_still_read_once_and_a_bad_one_is_a_mi
     that is not this page's is still a miss."""
     t = _tier(master.url, verify=False)
     try:
-        keys, payloads, pages = make_pages(layout, 3, seed=15)
-        assert t.put(pages, "engine") == [True] * 3
-        asked = _headers_asked(t, monkeypatch)
-        outs = [np.zeros(layout.payload_bytes, np.uint8) for _ in keys]
-        for layer in range(3):
-            assert all(h is not None for h in t.get_ranges(keys, layout, [layout.layer_range(layer)], outs))
-        assert asked == [[True] * 3, [False] * 3, [False] * 3]
+        keys, payloads, outs = _three_pages_read_by_layers(t, layout, 15, monkeypatch)
         a, b = layout.layer_range(2)
         assert all((o[a:b] == p[a:b]).all() for o, p in zip(outs, payloads))
         raw, staging, size = t._client(), t._staging, header_bytes(layout) + layout.payload_bytes
