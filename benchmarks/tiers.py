@@ -17,6 +17,9 @@ bytes the same way (through the page cache, or past it), in the same run:
   into the same buffers.
 - ``disk.get.*.cold``: the same with the page cache dropped before each round, for the
   tier's files and the baseline's alike (``POSIX_FADV_DONTNEED`` on each file).
+- ``disk.get_layer.*.hot``: ``DiskTier.get_ranges`` of one layer of every cached page (a
+  layerwise load's span, its headers kept from an earlier span); baseline: a plain read of the
+  same range of each cached file into the same buffers.
 - ``disk.get.*.direct``: a ``disk.io: direct`` tier's reads against raw O_DIRECT reads.
 
 Every round runs the tier and its baselines back to back; figures are medians.
@@ -148,6 +151,18 @@ def _raw_read(paths: list[str], dsts: list[np.ndarray], direct: bool) -> float:
     return timed(run)
 
 
+def _raw_read_range(paths: list[str], dsts: list[np.ndarray], a: int, b: int) -> float:
+    def run() -> None:
+        for p, dst in zip(paths, dsts):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.preadv(fd, [dst.data[a:b]], a)
+            finally:
+                os.close(fd)
+
+    return timed(run)
+
+
 def _page_files(tier_root: Path) -> list[str]:
     return [str(p) for p in (tier_root / "d").rglob("*.page")]
 
@@ -206,6 +221,12 @@ def _disk(report: Report, label: str, lay: GroupLayout, n: int, rounds: int, roo
     _raw_read(raw, raw_dsts, direct=False)
     v, b = interleaved(rounds, get(hot, cold=False), raw_get(False, cold=False))
     report.add(f"disk.get.{label}.hot", v, "GB/s", b, "plain buffered read of page-cached files, same buffers")
+    lo, hi = lay.layer_range(lay.num_layers // 2)
+    hot.get_ranges(keys, lay, [lay.layer_range(0)], dsts)  # (an earlier span: the headers are kept)
+    v, b = interleaved(rounds, lambda: gbps(n * (hi - lo), timed(lambda: hot.get_ranges(keys, lay, [(lo, hi)], dsts))),
+                       lambda: gbps(n * (hi - lo), _raw_read_range(raw, raw_dsts, lo, hi)))
+    report.add(f"disk.get_layer.{label}.hot", v, "GB/s", b,
+               "plain buffered read of the same range of each page-cached file, same buffers")
     v, b = interleaved(rounds, get(hot, cold=True), raw_get(False, cold=True))
     report.add(f"disk.get.{label}.cold", v, "GB/s", b,
                "plain buffered read, the page cache dropped for both first, same buffers")

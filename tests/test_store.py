@@ -180,7 +180,8 @@ def test_bench_tiers_quick_json_shape(tmp_path):
     )
     report = json.loads(out.stdout)
     assert report["bench"] == "tiers" and report["lmkv_version"]
-    for what in ("memory.put", "memory.get", "disk.put", "disk.get.{}.hot", "disk.get.{}.cold"):
+    for what in ("memory.put", "memory.get", "disk.put", "disk.get.{}.hot", "disk.get.{}.cold",
+                 "disk.get_layer.{}.hot"):
         for size in ("256KiB", "2MiB", "16MiB"):
             name = what.format(size) if "{}" in what else f"{what}.{size}"
             m = report["metrics"][name]
