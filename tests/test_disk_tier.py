@@ -140,6 +140,31 @@ def test_layerwise_read_catches_corruption_in_the_layer_read(tmp_path, layout):
     assert t.stats.corrupt == 1
 
 
+def test_cached_reads_go_in_parallel_runs_only_when_each_page_read_is_large(tmp_path, monkeypatch):
+    """Whole 256 KiB pages from the page cache go in parallel runs (their copies overlap); a span of
+    one 32 KiB layer of the same pages goes in one run, in the caller's thread (a read that small
+    is mostly the interpreter's work: parallel runs would contend for its lock)."""
+    from conftest import make_pages
+
+    from lmkv.benchmarks.tiers import bench_layout
+    from lmkv.tiers import disk
+
+    monkeypatch.setattr(disk, "INLINE_RUNS", 2)
+    lay = bench_layout(256 << 10)
+    t = _tier(tmp_path, "buffered", capacity="64MiB")
+    keys, payloads, pages = make_pages(lay, 2 * disk.MIN_RUN_PAGES)
+    assert all(t.put(pages, "w0"))
+    submitted = []
+    real = t._io.submit
+    monkeypatch.setattr(t._io, "submit", lambda fn, *a: (submitted.append(fn), real(fn, *a))[1])
+    outs = [np.zeros_like(p) for p in payloads]
+    assert all(h is not None for h in t.get(keys, lay, outs)) and len(submitted) == 1  # (the second run)
+    a, b = lay.layer_range(3)
+    assert b - a < disk.MIN_PARALLEL_READ
+    assert all(h is not None for h in t.get_ranges(keys, lay, [(a, b)], outs)) and len(submitted) == 1
+    assert all(np.array_equal(o, p) for o, p in zip(outs, payloads))
+
+
 def test_a_layerwise_loads_later_spans_do_not_read_the_header_again(tmp_path, layout, monkeypatch):
     """The first span of a page's layerwise read reads its header; the later spans verify their
     layers against the header kept from it. A page dropped (deleted here) takes its kept header
