@@ -529,13 +529,12 @@ class DiskTier(LocalTier, ReadsInPlace):
         the page cache holds in a few long runs, the others in parallel."""
         return self._read_cached_first(keys, layout, outs, list(ranges))
 
-    def _read_parallel(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence,
-                       ranges: Sequence[Range] | None = None) -> list[PageHeader | None]:
-        """Pages (or their ``ranges``) in parallel on the tier's I/O threads (a device needs queue
-        depth); a single page in this thread."""
+    def _read_parallel(self, keys: Sequence[PageKey], layout: GroupLayout, outs: Sequence) -> list[PageHeader | None]:
+        """Pages in parallel on the tier's I/O threads (a device needs queue depth); a single page in
+        this thread."""
         if len(keys) < 2:
-            return [self._read(k, layout, o, ranges) for k, o in zip(keys, outs)]
-        return settled_map(self._io, lambda i: self._read(keys[i], layout, outs[i], ranges), range(len(keys)))
+            return [self._read(k, layout, o) for k, o in zip(keys, outs)]
+        return settled_map(self._io, lambda i: self._read(keys[i], layout, outs[i]), range(len(keys)))
 
     def get_device(self, keys: Sequence[PageKey], layout: GroupLayout,
                    outs: Sequence[DeviceBuffer]) -> list[PageHeader | None]:

@@ -53,10 +53,10 @@ from redis import exceptions as rexc
 
 from lmkv import threads
 from lmkv.config import ConfigError, RemoteConfig
-from lmkv.errors import PageError, PartlyStoredError, TierUnavailableError
+from lmkv.errors import PartlyStoredError, TierUnavailableError
 from lmkv.keys import PageKey, key_hex
 from lmkv.layout import GroupLayout
-from lmkv.page import PageHeader, as_bytes_view, units_in_ranges, unpack_header
+from lmkv.page import PageHeader, as_bytes_view, units_in_ranges
 from lmkv.tiers import remote
 from lmkv.tiers.base import Range
 from lmkv.tiers.header_cache import HeaderCache
@@ -404,11 +404,9 @@ class RedisTier(RemoteTier):
         if any(n != b - a for (a, b), n in zip(want, parts)):
             self._headers.forget([key])
             return b""  # a short page: the header check rejects it
+        header = self._parsed(key, header, layout)
         if not isinstance(header, PageHeader):
-            try:
-                header = unpack_header(header, expect_key=key, layout=layout)
-            except PageError:
-                return header  # the caller's check counts and drops it
+            return header  # the caller's check counts and drops it
         self._headers.put(key, header)
         return header
 
